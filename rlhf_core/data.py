@@ -1,0 +1,252 @@
+"""Row schemas and loaders for OpenRLHF-style inputs.
+
+Sources are fsspec URIs to json / jsonl / csv / parquet files, `datasets.save_to_disk` folders, or committed
+artifacts of this project. Several sources are given comma-separated with mixing probabilities
+(OpenRLHF's `--prompt_data a,b --prompt_data_probs 0.7,0.3`). Rows are formatted with a chat template
+(`apply_chat_template`, message lists such as `context_messages`) or an `input_template`
+("User: {}\\nAssistant: "). Every bad row raises `DataError` naming the file, the row number and the key.
+"""
+from __future__ import annotations
+
+import io
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_core import store
+
+# Column -> arrow type for each artifact kind (DESIGN.md "Data"). Optional columns may be absent.
+SCHEMAS: dict[str, dict[str, pa.DataType]] = {
+    "prompts": {"prompt": pa.string(), "label": pa.string(), "source": pa.string()},
+    "samples": {"prompt": pa.string(), "response": pa.string(), "sample_index": pa.int32(), "prompt_tokens": pa.int32(),
+                "response_tokens": pa.int32(), "finish_reason": pa.string(), "logprob": pa.float64(), "label": pa.string()},
+    "scored": {"prompt": pa.string(), "response": pa.string(), "sample_index": pa.int32(), "reward": pa.float64(),
+               "score": pa.float64(), "label": pa.string(), "prompt_tokens": pa.int32(), "response_tokens": pa.int32(),
+               "finish_reason": pa.string(), "logprob": pa.float64()},
+    "pairs": {"prompt": pa.string(), "chosen": pa.string(), "rejected": pa.string(), "chosen_reward": pa.float64(),
+              "rejected_reward": pa.float64(), "margin": pa.float64(), "ref_chosen_logp": pa.float64(),
+              "ref_rejected_logp": pa.float64()},
+    "sft": {"input": pa.string(), "output": pa.string(), "reward": pa.float64()},
+}
+REQUIRED = {
+    "prompts": ("prompt",),
+    "samples": ("prompt", "response", "sample_index"),
+    "scored": ("prompt", "response", "sample_index", "reward"),
+    "pairs": ("prompt", "chosen", "rejected"),
+    "sft": ("input", "output"),
+}
+
+
+class DataError(ValueError):
+    """Bad input data; the message names file, row and key."""
+
+
+def to_table(rows: list[dict], kind: str) -> pa.Table:
+    """Rows -> an arrow table with the kind's column types (only the columns present in the first row)."""
+    if not rows:
+        raise DataError(f"no {kind} rows to write (empty dataset)")
+    schema = SCHEMAS[kind]
+    cols = [c for c in rows[0] if c in schema] + [c for c in rows[0] if c not in schema]
+    fields = [pa.field(c, schema.get(c, pa.infer_type([r.get(c) for r in rows[:50]]))) for c in cols]
+    return pa.Table.from_pylist(rows, schema=pa.schema(fields))
+
+
+def validate_table(table: pa.Table, kind: str, where: str) -> None:
+    missing = [c for c in REQUIRED[kind] if c not in table.column_names]
+    if missing:
+        raise DataError(f"{where}: {kind} data lacks column(s) {missing}; it has {table.column_names}")
+    for c in REQUIRED[kind]:
+        nulls = table.column(c).null_count
+        if nulls:
+            idx = table.column(c).is_null().to_pylist().index(True)
+            raise DataError(f"{where} row {idx}: key {c!r} is null ({nulls} null rows)")
+
+
+# ---------------------------------------------------------------------------------------------- reading sources
+def read_rows(uri: str, storage_options: dict | None = None) -> list[dict]:
+    """Every row of one source as dicts. The format follows the file ending (or a folder's contents)."""
+    fs, path = store.filesystem(uri, storage_options)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"data source {uri} does not exist")
+    if fs.isdir(path):
+        names = {p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        if store.MANIFEST in names:
+            return store.read_table(uri, storage_options=storage_options).to_pylist()
+        if "dataset_info.json" in names or "state.json" in names or "dataset_dict.json" in names:
+            import datasets  # save_to_disk folder
+
+            ds = datasets.load_from_disk(uri, storage_options=dict(storage_options or {}) or None)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else ds[list(ds)[0]]
+            return ds.to_list()
+        files = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".jsonl", ".json", ".parquet", ".csv")))
+        if not files:
+            raise DataError(f"{uri}: folder holds no json/jsonl/csv/parquet file and no {store.MANIFEST}")
+        proto = uri.split("://", 1)[0] + "://" if "://" in uri else ""
+        return [r for f in files for r in read_rows(proto + f if proto else f, storage_options)]
+    with fs.open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".parquet"):
+        return pq.read_table(io.BytesIO(raw)).to_pylist()
+    if path.endswith(".csv"):
+        import pyarrow.csv as pcsv
+
+        return pcsv.read_csv(io.BytesIO(raw)).to_pylist()
+    text = raw.decode("utf-8")
+    if path.endswith(".jsonl") or (not path.endswith(".json") and text.lstrip()[:1] == "{"):
+        rows = []
+        for i, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{uri} row {i}: not valid JSON ({e.msg})") from None
+        return rows
+    data = json.loads(text)
+    if isinstance(data, dict):  # {"train": [...]} or {"data": [...]}
+        data = next((v for v in data.values() if isinstance(v, list)), None)
+    if not isinstance(data, list):
+        raise DataError(f"{uri}: a .json source must hold a list of rows")
+    return data
+
+
+def load_mixture(sources: str | list[str], probs: str | list[float] | None = None, max_samples: int | None = None,
+                 seed: int = 42, storage_options: dict | None = None) -> list[tuple[str, int, dict]]:
+    """Rows of one or more sources mixed by probability, as (source_uri, row_number, row).
+
+    With probabilities, source i contributes round(p_i * N) rows (N = max_samples, else the total size),
+    drawn in a seeded shuffle and cycled if it is smaller, like OpenRLHF's blending of datasets."""
+    srcs = [s.strip() for s in sources.split(",")] if isinstance(sources, str) else list(sources)
+    srcs = [s for s in srcs if s]
+    if not srcs:
+        raise DataError("no data source given")
+    if isinstance(probs, str):
+        try:
+            probs = [float(p) for p in probs.split(",")]
+        except ValueError:
+            raise DataError(f"mixing probabilities {probs!r} are not numbers") from None
+    per_source = [[(s, i, r) for i, r in enumerate(read_rows(s, storage_options))] for s in srcs]
+    rng = random.Random(seed)
+    if probs is None or len(srcs) == 1:
+        if probs is not None and len(probs) != 1:
+            raise DataError(f"{len(probs)} mixing probabilities for 1 source ({srcs[0]})")
+        rows = [r for rs in per_source for r in rs]
+    else:
+        if len(probs) != len(srcs):
+            raise DataError(f"{len(probs)} mixing probabilities for {len(srcs)} sources: {srcs}")
+        if any(p < 0 for p in probs) or abs(sum(probs) - 1.0) > 1e-6:
+            raise DataError(f"mixing probabilities {probs} must be >= 0 and sum to 1 (they sum to {sum(probs):g})")
+        total = max_samples or sum(len(rs) for rs in per_source)
+        rows = []
+        for p, rs in zip(probs, per_source):
+            if not rs:
+                continue
+            order = list(range(len(rs)))
+            rng.shuffle(order)
+            rows += [rs[order[k % len(rs)]] for k in range(round(p * total))]
+    if max_samples is not None:
+        rows = rows[:max_samples]
+    if not rows:
+        raise DataError(f"no rows in {', '.join(srcs)}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+@dataclass
+class Format:
+    """How raw rows become text: OpenRLHF's keys and templates."""
+
+    input_key: str = "input"
+    output_key: str | None = None
+    label_key: str | None = None
+    prompt_key: str | None = None
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    apply_chat_template: bool = False
+    input_template: str | None = None
+
+
+def _get(row: dict, key: str, src: str, i: int) -> Any:
+    if key not in row:
+        raise DataError(f"{src} row {i}: missing key {key!r} (row has {sorted(row)})")
+    if row[key] is None:
+        raise DataError(f"{src} row {i}: key {key!r} is null")
+    return row[key]
+
+
+def _messages(value: Any, src: str, i: int, key: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return value
+    raise DataError(f"{src} row {i}: key {key!r} must be a string or a list of {{role, content}} messages, "
+                    f"got {type(value).__name__}")
+
+
+def format_prompt(value: Any, fmt: Format, tokenizer, src: str, i: int, key: str) -> str:
+    if fmt.apply_chat_template:
+        if tokenizer is None:
+            raise DataError("apply_chat_template needs a tokenizer")
+        return tokenizer.apply_chat_template(_messages(value, src, i, key), tokenize=False, add_generation_prompt=True)
+    if not isinstance(value, str):
+        raise DataError(f"{src} row {i}: key {key!r} must be a string (set apply_chat_template for message "
+                        f"lists), got {type(value).__name__}")
+    return fmt.input_template.format(value) if fmt.input_template else value
+
+
+def prompt_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
+    """Raw rows -> `prompts` rows (prompt, label, source)."""
+    out = []
+    for src, i, row in raw:
+        prompt = format_prompt(_get(row, fmt.input_key, src, i), fmt, tokenizer, src, i, fmt.input_key)
+        label = row.get(fmt.label_key) if fmt.label_key else None
+        if fmt.label_key and fmt.label_key not in row:
+            raise DataError(f"{src} row {i}: missing key {fmt.label_key!r} (label_key)")
+        out.append({"prompt": prompt, "label": None if label is None else str(label), "source": src})
+    return out
+
+
+def sft_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
+    """Raw rows -> `sft` rows (input, output). Without output_key the input must be a message list whose
+    last message is the assistant's answer."""
+    out = []
+    for src, i, row in raw:
+        value = _get(row, fmt.input_key, src, i)
+        if fmt.output_key:
+            inp = format_prompt(value, fmt, tokenizer, src, i, fmt.input_key)
+            output = _get(row, fmt.output_key, src, i)
+            if not isinstance(output, str):
+                raise DataError(f"{src} row {i}: key {fmt.output_key!r} must be a string, got {type(output).__name__}")
+        else:
+            msgs = _messages(value, src, i, fmt.input_key)
+            if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+                raise DataError(f"{src} row {i}: without output_key, {fmt.input_key!r} must end with an assistant message")
+            inp = format_prompt(msgs[:-1], Format(apply_chat_template=True), tokenizer, src, i, fmt.input_key)
+            output = msgs[-1]["content"]
+        out.append({"input": inp, "output": output})
+    return out
+
+
+def pair_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
+    """Raw rows -> `pairs` rows (prompt, chosen, rejected). chosen/rejected may be message lists whose last
+    message is the answer (OpenRLHF's reward-dataset format); the rest becomes the prompt."""
+    out = []
+    for src, i, row in raw:
+        chosen, rejected = _get(row, fmt.chosen_key, src, i), _get(row, fmt.rejected_key, src, i)
+        if isinstance(chosen, list):
+            msgs = _messages(chosen, src, i, fmt.chosen_key)
+            rej = _messages(rejected, src, i, fmt.rejected_key)
+            prompt = format_prompt(msgs[:-1], Format(apply_chat_template=True), tokenizer, src, i, fmt.chosen_key)
+            chosen, rejected = msgs[-1]["content"], rej[-1]["content"]
+        else:
+            value = _get(row, fmt.prompt_key, src, i) if fmt.prompt_key else ""
+            prompt = format_prompt(value, fmt, tokenizer, src, i, fmt.prompt_key or "prompt") if fmt.prompt_key else ""
+        for k, v in ((fmt.chosen_key, chosen), (fmt.rejected_key, rejected)):
+            if not isinstance(v, str):
+                raise DataError(f"{src} row {i}: key {k!r} must be a string, got {type(v).__name__}")
+        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out

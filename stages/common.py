@@ -1,0 +1,138 @@
+"""What every stage shares: the config base class, YAML + key=value loading, and the thin Prefect task.
+
+A stage module defines
+    class Config(StageConfig): ...           # pydantic; fields with descriptions and bounds
+    def run(cfg: Config) -> Manifest: ...    # plain function: the algorithm; idempotent via the manifest
+    task = stage_task("name", run)           # the Prefect task flows call
+so `rlhf-flows stage NAME --config F k=v` can load any of them the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlhf_core import store
+
+# Forward rlhf_core's `logging` output (job lines, progress) into the Prefect run log.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_flows")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file and the field."""
+
+
+class StageConfig(BaseModel):
+    """Base of every stage config: unknown keys are errors (typos), values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    output_uri: str = Field(description="Where the artifact is written (fsspec URI); committed by _MANIFEST.json.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for s3/gs (never logged).")
+
+    # Fields that do not change what the stage produces (placement, parallelism): left out of the fingerprint.
+    runtime_fields: ClassVar[set[str]] = {"output_uri", "storage_options"}
+
+    def semantic(self) -> dict:
+        """The config as it enters the fingerprint."""
+        return self.model_dump(mode="json", exclude=self.runtime_fields)
+
+    def input_uris(self) -> dict[str, str]:
+        """Input artifact URIs by field name: every set field ending in `_uri` except output_uri."""
+        return {k: v for k, v in self.model_dump().items() if k.endswith("_uri") and k != "output_uri" and v}
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """["a.b=1", "c=x"] -> {"a": {"b": 1}, "c": "x"}; values are parsed as YAML scalars."""
+    out: dict = {}
+    for p in pairs:
+        if "=" not in p:
+            raise ConfigError(f"override {p!r} is not key=value")
+        key, val = p.split("=", 1)
+        node = out
+        parts = key.split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = yaml.safe_load(val) if val else ""
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(cls: type[BaseModel], path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                section: str | None = None) -> BaseModel:
+    """A config model from a YAML file plus key=value overrides; errors name the file and the field."""
+    data: dict = {}
+    where = str(path) if path else "<overrides>"
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+        if section:
+            data = data.get(section, data)
+    data = merge(data, overrides if isinstance(overrides, dict) else parse_overrides(overrides or []))
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{where}: invalid {cls.__name__}:\n" + _fields(e)) from None
+
+
+def _fields(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        msg = "unknown field (typo?)" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- Prefect
+def _cache_key(context, parameters) -> str | None:
+    """Prefect cache key: task source + config + the fingerprints of its committed inputs. The stage's own
+    manifest check (run() returning the committed artifact) stays the authority; see `call`."""
+    cfg = parameters["cfg"]
+    fps = []
+    for uri in cfg.input_uris().values():
+        try:
+            fps.append(store.read_manifest(uri, storage_options=cfg.storage_options).fingerprint)
+        except store.ArtifactError:
+            return None  # inputs are not all committed: do not cache
+    src = inspect.getsource(context.task.fn)
+    payload = "|".join([context.task.name, src, store.CODE_VERSION, cfg.model_dump_json(), *fps])
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def stage_task(name: str, run: Callable, **options):
+    """The thin Prefect task around a stage's `run`: returns the manifest as a dict (small, JSON)."""
+    from prefect import task
+
+    def body(cfg):
+        import dataclasses
+
+        return dataclasses.asdict(run(cfg))
+
+    body.__name__ = f"{name}_task"
+    body.__qualname__ = body.__name__
+    body.__doc__ = f"Prefect task running stages.{name}.run(cfg); returns the committed manifest."
+    return task(name=name, cache_key_fn=_cache_key, persist_result=True, result_serializer="json",
+                task_run_name=f"{name}", **options)(body)
+
+
+def call(stage_task_obj, cfg) -> dict:
+    """Run a stage task. A Prefect cache hit is trusted only while the artifact's manifest still exists:
+    otherwise the cache is refreshed and the stage runs (and itself skips work if it can)."""
+    alive = store.committed_any(cfg.output_uri, cfg.storage_options)
+    return stage_task_obj.with_options(refresh_cache=not alive)(cfg)

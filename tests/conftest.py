@@ -1,0 +1,123 @@
+"""Shared fixtures: a real S3 endpoint (moto_server on 127.0.0.1), tiny offline models, Prefect's harness.
+
+Servers started here listen on 127.0.0.1, are stopped by pid at teardown, and also die with the test
+process (PR_SET_PDEATHSIG), so none outlives a killed pytest.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent():
+    """preexec_fn: the child gets SIGTERM when the process that started it dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """A real S3 HTTP endpoint with bucket `rlhf-test`; the AWS variables point at it for the session."""
+    port = free_port()
+    exe = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
+    try:
+        wait_for_port(port, proc, "moto_server")
+        endpoint = f"http://127.0.0.1:{port}"
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing-key-id",
+                          AWS_SECRET_ACCESS_KEY="testing-secret-key", AWS_DEFAULT_REGION="us-east-1")
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}).mkdir("rlhf-test")
+        yield SimpleNamespace(endpoint=endpoint, bucket="rlhf-test", port=port, pid=proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_root(moto_s3) -> str:
+    """A fresh prefix on the moto endpoint for one test."""
+    return f"s3://{moto_s3.bucket}/{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Tiny tokenizer, policy and reward model (local folders) built offline from seed 0, plus the same
+    committed as artifacts under a local store root (`policy_uri`, `reward_uri`)."""
+    from rlhf_core import demo_task, store, tiny as tiny_mod
+
+    root = tmp_path_factory.mktemp("tiny")
+    policy, reward = tiny_mod.build_tiny_pair(root / "local", demo_task.corpus(0), seed=0)
+    policy_uri, reward_uri = str(root / "store" / "policy"), str(root / "store" / "reward")
+    store.commit_model_dir(policy, policy_uri, "tiny-model", {"kind": "policy", "seed": 0})
+    store.commit_model_dir(reward, reward_uri, "tiny-model", {"kind": "reward", "seed": 1})
+    return SimpleNamespace(root=root, policy_dir=policy, reward_dir=reward, tokenizer_dir=root / "local" / "tokenizer",
+                           policy_uri=policy_uri, reward_uri=reward_uri)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """Prefect's real local API (temporary database) for the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
