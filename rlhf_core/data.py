@@ -191,7 +191,8 @@ def format_prompt(value: Any, fmt: Format, tokenizer, src: str, i: int, key: str
     if fmt.apply_chat_template:
         if tokenizer is None:
             raise DataError("apply_chat_template needs a tokenizer")
-        return tokenizer.apply_chat_template(_messages(value, src, i, key), tokenize=False, add_generation_prompt=True)
+        messages = _messages(value, src, i, key)  # validate before touching the tokenizer
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not isinstance(value, str):
         raise DataError(f"{src} row {i}: key {key!r} must be a string (set apply_chat_template for message "
                         f"lists), got {type(value).__name__}")

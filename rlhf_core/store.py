@@ -110,7 +110,10 @@ def check_reachable(uri: str, storage_options: dict | None = None) -> None:
     fs, path = filesystem(uri, storage_options)
     bucket = path.split("/", 1)[0]
     try:
-        ok = fs.exists(bucket)
+        fs.info(bucket)  # unlike exists(), info() lets connection errors through
+        ok = True
+    except FileNotFoundError:
+        ok = False
     except Exception as e:  # botocore raises many types for a dead endpoint
         raise StoreUnreachableError(
             f"object store endpoint {endpoint_of(uri, storage_options)} is unreachable for {uri}: "
@@ -171,8 +174,9 @@ def read_manifest(uri: str, stage: str | tuple[str, ...] | None = None, storage_
     except FileNotFoundError:
         what = "has files but no" if _has_files(fs, path) else "does not exist or has no"
         raise NotCommittedError(f"{uri} is not a committed artifact: it {what} {MANIFEST}") from None
-    except (PermissionError, OSError) as e:
-        raise StoreUnreachableError(f"cannot read {uri}: " + redact(f"{type(e).__name__}: {e}", storage_options)) from None
+    except Exception as e:  # OSError, botocore / aiohttp connection errors
+        raise StoreUnreachableError(f"cannot read {uri} (endpoint {endpoint_of(uri, storage_options)}): "
+                                    + redact(f"{type(e).__name__}: {e}", storage_options)) from None
     stages = (stage,) if isinstance(stage, str) else stage
     if stages and m.stage not in stages:
         raise StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")

@@ -1,0 +1,137 @@
+"""`rlhf-flows`: the command line.
+
+    rlhf-flows demo [--root DIR] [--run-name NAME]       the iterative-DPO demo on CPU (configs/demo.yaml)
+    rlhf-flows run FLOW --config FILE [key=value ...]      iterative-dpo | raft | conditional-sft
+    rlhf-flows stage STAGE --config FILE [key=value ...]   one stage alone (prepare, generate, score, ...)
+    rlhf-flows show URI                                    an artifact's manifest and lineage, or a run
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from rlhf_core import store
+
+FLOWS = {"iterative-dpo": "flows.iterative_dpo", "raft": "flows.raft", "conditional-sft": "flows.conditional_sft"}
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+def _flow_module(name: str):
+    if name not in FLOWS:
+        raise SystemExit(f"unknown flow {name!r}; choose from {', '.join(FLOWS)}")
+    return importlib.import_module(FLOWS[name])
+
+
+def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
+    from stages.common import load_config
+
+    mod = _flow_module(flow)
+    params = load_config(mod.Params, config, overrides)
+    report = mod.flow(params)
+    print(json.dumps(report, indent=2, default=str) if isinstance(report, dict) else report)
+    return 0
+
+
+def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
+    from stages.common import load_config
+
+    try:
+        mod = importlib.import_module(f"stages.{name}")
+    except ModuleNotFoundError:
+        raise SystemExit(f"unknown stage {name!r}") from None
+    cfg = load_config(mod.Config, config, overrides, section=name)
+    m = mod.run(cfg)
+    print(f"{m.stage} committed at {m.uri}\nfingerprint {m.fingerprint}  rows {m.rows}\nmetrics {json.dumps(m.metrics, default=str)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- show
+def _lineage(uri: str, depth: int, seen: set, out: list[str]) -> None:
+    try:
+        m = store.read_manifest(uri)
+    except (store.ArtifactError, FileNotFoundError, OSError) as e:
+        out.append("  " * depth + f"{uri}  [not readable: {e}]")
+        return
+    rows = f" rows={m.rows}" if m.rows is not None else ""
+    out.append("  " * depth + f"{m.stage} {m.fingerprint} {uri}{rows} ({m.finished_at})")
+    if m.fingerprint in seen:
+        return
+    seen.add(m.fingerprint)
+    for i in m.inputs:
+        if i.get("stage") == "source":
+            out.append("  " * (depth + 1) + f"source {i['fingerprint']} {i['uri']}")
+        else:
+            _lineage(i["uri"], depth + 1, seen, out)
+
+
+def show(uri: str) -> str:
+    """Text for `rlhf-flows show`: a manifest with its lineage tree, or a run folder's iterations."""
+    uri = uri.rstrip("/")
+    out: list[str] = []
+    if store.committed_any(uri):
+        m = store.read_manifest(uri)
+        out += [f"artifact   {uri}", f"stage      {m.stage}", f"fingerprint {m.fingerprint}",
+                f"created    {m.created_at}", f"finished   {m.finished_at}  on {m.host}",
+                f"rows       {m.rows}", f"files      {len(m.files)} ({sum(f['size'] for f in m.files)} bytes)",
+                f"metrics    {json.dumps(m.metrics, default=str)}", "lineage:"]
+        _lineage(uri, 1, set(), out)
+        return "\n".join(out)
+    fs, path = store.filesystem(uri)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{uri} does not exist")
+    report = store.join(path, "report.json")
+    if fs.exists(report):
+        with fs.open(report) as f:
+            rep = json.load(f)
+        out.append(f"run {uri}: {rep.get('flow')} — {len(rep.get('iterations', []))} iterations, "
+                   f"stop reason: {rep.get('stop_reason')}")
+        for it in rep.get("iterations", []):
+            out.append("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in it.items() if not isinstance(v, dict)))
+    out.append("artifacts:")
+    for p in sorted(fs.find(path)):
+        if p.endswith(store.MANIFEST):
+            art = p[: -len(store.MANIFEST) - 1]
+            full = uri + art[len(path):]
+            m = store.read_manifest(full)
+            out.append(f"  {full[len(uri) + 1:]:<32} {m.stage:<10} {m.fingerprint}  <- "
+                       + ", ".join(i["uri"][len(uri) + 1:] if i["uri"].startswith(uri) else i["uri"] for i in m.inputs))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlhf-flows", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="run the iterative-DPO demo (CPU, local folder, Prefect's local API)")
+    d.add_argument("--root", default="runs", help="artifact root (a folder, or s3://bucket/prefix)")
+    d.add_argument("--run-name", default="demo")
+    d.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
+    for name, helptext in (("run", "run a flow"), ("stage", "run one stage")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("name")
+        s.add_argument("--config", help="YAML config file")
+        s.add_argument("overrides", nargs="*", help="key=value (dotted keys for nested fields)")
+    sh = sub.add_parser("show", help="print an artifact's manifest and lineage, or a run's iterations")
+    sh.add_argument("uri")
+    a = p.parse_args(argv)
+    from stages.common import ConfigError
+
+    try:
+        if a.cmd == "demo":
+            return cmd_run("iterative-dpo", str(DEMO_CONFIG), [f"root={a.root}", f"run_name={a.run_name}", *a.overrides])
+        if a.cmd == "run":
+            return cmd_run(a.name, a.config, a.overrides)
+        if a.cmd == "stage":
+            return cmd_stage(a.name, a.config, a.overrides)
+        print(show(a.uri))
+        return 0
+    except (ConfigError, store.ArtifactError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

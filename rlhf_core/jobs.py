@@ -1,0 +1,106 @@
+"""Launch a training job (the `deepspeed` launcher or torchrun) as a child process and watch it.
+
+The child's output is streamed line by line into logging.getLogger("rlhf_flows") (which Prefect forwards
+into the run log). The child runs in its own session, so on ANY exception in the parent (Prefect
+cancellation, Ctrl-C, a crash) the whole process group - launcher and ranks - is killed. A non-zero exit
+raises JobFailed carrying the child's last lines.
+
+    1 GPU / CPU:   deepspeed --num_gpus 1 --master_port P --module rlhf_core.train.entry SPEC
+    multi-node:    deepspeed --hostfile H --num_nodes N --num_gpus G ...   (same code path)
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("rlhf_flows")
+
+
+class JobFailed(RuntimeError):
+    """The training child exited non-zero; `tail` holds its last output lines."""
+
+    def __init__(self, cmd: list[str], returncode: int, tail: list[str]):
+        self.cmd, self.returncode, self.tail = cmd, returncode, tail
+        how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+        super().__init__(f"training job failed ({how}): {' '.join(cmd[:6])} ...\n--- last lines ---\n"
+                         + "\n".join(tail))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_command(module: str, args: list[str], launcher: str = "deepspeed", num_gpus: int = 1,
+                     num_nodes: int = 1, hostfile: str | None = None, master_port: int | None = None) -> list[str]:
+    """The command line running `python -m module args` under the chosen launcher."""
+    bindir = Path(sys.executable).parent
+    port = str(master_port or free_port())
+    if launcher == "deepspeed":
+        cmd = [str(bindir / "deepspeed"), "--num_gpus", str(num_gpus), "--master_port", port]
+        if hostfile:
+            cmd += ["--hostfile", hostfile, "--num_nodes", str(num_nodes)]
+        return cmd + ["--module", module, *args]
+    if launcher == "torchrun":
+        cmd = [str(bindir / "torchrun"), "--nproc_per_node", str(num_gpus), "--nnodes", str(num_nodes),
+               "--master_port", port]
+        return cmd + ["-m", module, *args]
+    if launcher == "python":  # one process, no launcher (debugging); the entry sets the rank variables
+        return [sys.executable, "-u", "-m", module, *args]
+    raise ValueError(f"unknown launcher {launcher!r} (deepspeed, torchrun or python)")
+
+
+def job_env(num_procs: int, extra: dict | None = None) -> dict:
+    """Environment for the child: one OpenMP thread per rank when ranks share the cores."""
+    env = dict(os.environ)
+    if num_procs > 1 and "OMP_NUM_THREADS" not in (extra or {}):
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_procs))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tail_lines: int = 40,
+            on_line: Callable[[str], None] | None = None) -> list[str]:
+    """Run `cmd`, forward each output line to the log (and `on_line`), return the last lines on exit 0.
+    Raises JobFailed on a non-zero exit; kills the child's process group on any exception here."""
+    log.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, env=env, cwd=cwd)
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log.info("%s", line)
+            if on_line:
+                on_line(line)
+        rc = proc.wait()
+    except BaseException:
+        kill_group(proc)
+        raise
+    if rc != 0:
+        raise JobFailed(cmd, rc, list(tail))
+    return list(tail)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole process group (launcher + ranks) and reap the child."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        log.warning("job %s did not exit after SIGKILL", proc.pid)
+    log.warning("killed job process group %s", proc.pid)

@@ -1,0 +1,114 @@
+"""Every training loss as a small pure function: per-example losses plus detached metrics; the caller reduces.
+
+Shapes: B = batch, T = tokens, V = vocabulary. Token-level quantities are `# (B, T)`, one value per example
+is `# (B,)`. Equations follow OpenRLHF's openrlhf/models/loss.py and the papers cited at each function;
+only the formulas carry over, not the code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Reduction = Literal["token", "sequence"]
+
+
+@dataclass
+class LossOutput:
+    """`losses` is per example (B,) with grad; `metrics` are detached per-example tensors (B,)."""
+
+    losses: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def reduce_tokens(values: torch.Tensor, mask: torch.Tensor, mode: Reduction = "token") -> torch.Tensor:
+    """THE token-vs-sequence reduction. values, mask: # (B, T).
+
+    token:    sum(values * mask) / sum(mask)                  (every token weighs the same; OpenRLHF default)
+    sequence: mean over examples of (sum_t values * mask / sum_t mask)   (every example weighs the same)
+    e.g. values [[1, 2], [3, 0]], mask [[1, 1], [1, 0]]: token = 6 / 3 = 2.0; sequence = (1.5 + 3) / 2 = 2.25.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token":
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    if mode == "sequence":
+        return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    raise ValueError(f"unknown reduction {mode!r} (token or sequence)")
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(x_t | x_<t) for t = 1..T-1. logits # (B, T, V), input_ids # (B, T) -> # (B, T-1).
+
+    Logits at position t predict token t+1, hence the shift. log_softmax in fp32 for stability."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+    return torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+
+
+def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed log-prob of the response tokens: sum_t logp_t * mask_t. # (B, T) -> # (B,)  (DPO's log pi(y|x))."""
+    return (token_logps * mask.to(token_logps.dtype)).sum(-1)
+
+
+def sft_loss(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+    """Masked cross-entropy (next-token NLL) on response tokens; prompt tokens have mask 0
+    (all tokens in pretrain_mode). token_logps, loss_mask # (B, T). Per-example loss = mean NLL over its
+    masked tokens; use reduce_tokens(-token_logps, mask, "token") for OpenRLHF's token-weighted batch loss."""
+    nll = -token_logps  # (B, T)
+    m = loss_mask.to(nll.dtype)
+    per_example = (nll * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
+    return LossOutput(per_example, {"nll": per_example.detach(), "tokens": m.sum(-1).detach()})
+
+
+def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                     kind: Literal["sigmoid", "logexp"] = "sigmoid") -> LossOutput:
+    """Bradley-Terry reward-model loss. chosen, rejected, margin # (B,).
+
+    sigmoid: -log sigmoid(r_c - r_r - margin)     (InstructGPT, arXiv:2203.02155 eq. 1; Llama-2 margin)
+    logexp:  log(1 + exp(r_r - r_c))              (OpenRLHF LogExpLoss; the same value without a margin)
+    e.g. r_c=2, r_r=1, margin 0: -log sigmoid(1) = log(1 + e^-1) = 0.3133.
+    """
+    diff = chosen - rejected  # (B,)
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(diff - (margin if margin is not None else 0.0))
+    elif kind == "logexp":
+        losses = torch.log1p(torch.exp(-diff))
+    else:
+        raise ValueError(f"unknown reward-model loss {kind!r} (sigmoid or logexp)")
+    d = diff.detach()
+    return LossOutput(losses, {"accuracy": (d > 0).float(), "reward_margin": d,
+                               "chosen_reward": chosen.detach(), "rejected_reward": rejected.detach()})
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
+             label_smoothing: float = 0.0) -> LossOutput:
+    """DPO family on summed response log-probs, all # (B,).
+
+    h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r))
+    sigmoid (DPO, arXiv:2305.18290 eq. 7) with cDPO label smoothing eps:
+        -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+    ipo (arXiv:2310.12036 eq. 17, as in OpenRLHF):  (h - 1 / (2 beta))^2
+    implied rewards: beta (log pi - log ref) per response; accuracy = [r_c > r_r].
+    e.g. pc=-1, pr=-3, rc=-2, rr=-2, beta 0.5: h = 2, loss = -log sigmoid(1) = 0.3133, rewards 0.5 / -0.5.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)  # (B,)
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss type {loss_type!r} (sigmoid or ipo)")
+    rc = beta * (policy_chosen - ref_chosen).detach()
+    rr = beta * (policy_rejected - ref_rejected).detach()
+    return LossOutput(losses, {"chosen_reward": rc, "rejected_reward": rr, "reward_margin": rc - rr,
+                               "reward_accuracy": (rc > rr).float()})
+
+
+def nll_per_token(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+    """The chosen response's mean NLL, added to DPO as nll_loss_coef * nll (OpenRLHF's `--nll_loss_coef`,
+    RPO arXiv:2404.19733). # (B,), # (B,) -> # (B,). e.g. sum logp -6 over 3 tokens: 2.0."""
+    return -summed_logps / n_tokens.to(summed_logps.dtype).clamp(min=1)

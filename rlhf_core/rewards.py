@@ -1,0 +1,272 @@
+"""Reward sources behind one interface:
+
+    r = compute_rewards(RewardSpec(model=rm_uri), prompts, responses, labels, num_engines=2)
+    r.rewards  # one float per (prompt, response), in input order; r.scores / r.extra_logs when given
+
+Sources (exactly one per RewardSpec):
+  model       a reward-model folder or committed artifact: AutoModelForSequenceClassification with one label,
+              or an OpenRLHF-style backbone + linear value head (`{value_head_prefix}.weight`). The text
+              prompt+response (+ EOS, as OpenRLHF's reward datasets append it) is scored at its last token:
+              left padding puts every last real token at position -1, and position ids follow the attention
+              mask so padding never changes a score. Normalisation: (r - reward_mean) / reward_std when the
+              model's config.json holds `reward_mean`/`reward_std` (written by train_rm), or OpenRLHF's
+              `normalize_reward` + `mean`/`std`. Sorted by length, batched, on Ray actors like generation.
+  func_path   a Python file defining OpenRLHF's `reward_func(queries, prompts, labels)` (queries are
+              prompt + response) returning a tensor/list or a dict with `rewards` (+ `scores`, `extra_logs`).
+  remote_url  an HTTP reward server in OpenRLHF's serve_rm shape: POST {"query", "prompts", "labels"} ->
+              {"rewards": [...]} (+ optional "scores"); timeout and retries with backoff.
+Every reward must be finite: NaN/inf raise RewardError naming the rows.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf_core import store
+from rlhf_core.generation import _local_model, _torch_dtype, _cuda, run_engines
+
+log = logging.getLogger("rlhf_flows")
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or returned unusable rewards; the message names the source and rows."""
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    model: str | None = None
+    func_path: str | None = None
+    remote_url: str | None = None
+    value_head_prefix: str = "value_head"
+    normalize: bool = True  # apply the mean/std stored in the reward model's config, when present
+    max_len: int = 1024  # tokens of prompt + response (+ EOS); longer texts keep their first max_len tokens
+    append_eos: bool = True
+    batch_size: int = 64
+    dtype: str = "auto"
+    timeout_s: float = 30.0
+    retries: int = 3
+    storage_options: dict = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        given = [k for k in ("model", "func_path", "remote_url") if getattr(self, k)]
+        if len(given) != 1:
+            raise RewardError(f"give exactly one reward source (model, func_path or remote_url); got {given or 'none'}")
+        return given[0]
+
+
+@dataclass
+class Rewards:
+    rewards: list[float]
+    scores: list[float] | None = None
+    extra_logs: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- reward model
+def check_reward_model(path: str | Path, value_head_prefix: str = "value_head") -> str:
+    """"seq_cls" or "value_head" for a reward-model folder; RewardError when it is not one."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise RewardError(f"{path} is not a reward model: it has no config.json")
+    cfg = json.loads(cfg_file.read_text())
+    archs = cfg.get("architectures") or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        if cfg.get("num_labels", len(cfg.get("id2label") or {0: 0})) != 1:
+            raise RewardError(f"{path} is a classifier with {len(cfg.get('id2label', {}))} labels, not a scalar reward model")
+        return "seq_cls"
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if f"{value_head_prefix}.weight" in st.keys():
+                return "value_head"
+    raise RewardError(f"{path} is not a reward model: architectures {archs} has no *ForSequenceClassification "
+                      f"and its weights have no {value_head_prefix!r}.weight value head")
+
+
+def _norm_stats(cfg) -> tuple[float, float] | None:
+    if getattr(cfg, "reward_mean", None) is not None and getattr(cfg, "reward_std", None) is not None:
+        return float(cfg.reward_mean), float(cfg.reward_std)
+    if getattr(cfg, "normalize_reward", False) and getattr(cfg, "mean", None) is not None:
+        return float(cfg.mean), float(cfg.std)  # OpenRLHF's reward-model config keys
+    return None
+
+
+class RMEngine:
+    """Scores (prompt, response) texts with a reward model. One instance per Ray actor (or in-process)."""
+
+    def __init__(self, model: str, spec: RewardSpec):
+        import torch
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+        path = _local_model(model, spec.storage_options)
+        kind = check_reward_model(path, spec.value_head_prefix)
+        self.device = "cuda" if _cuda() else "cpu"
+        dtype = _torch_dtype(spec.dtype)
+        self.tok = AutoTokenizer.from_pretrained(path)
+        if kind == "seq_cls":
+            full = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+            self.body = full.base_model
+            self.head = getattr(full, "score", None) or getattr(full, "classifier")
+        else:  # OpenRLHF: backbone weights under `model.` + a bias-free Linear(hidden, 1) value head
+            from safetensors import safe_open
+
+            self.body = AutoModel.from_pretrained(path, dtype=dtype)
+            w = None
+            for f in sorted(Path(path).glob("*.safetensors")):
+                with safe_open(str(f), "pt") as st:
+                    if f"{spec.value_head_prefix}.weight" in st.keys():
+                        w = st.get_tensor(f"{spec.value_head_prefix}.weight")
+            self.head = torch.nn.Linear(w.shape[1], 1, bias=False, dtype=dtype)
+            self.head.weight.data.copy_(w.to(dtype))
+        self.body.to(self.device).eval()
+        self.head.to(self.device).eval()
+        self.stats = _norm_stats(AutoConfig.from_pretrained(path)) if spec.normalize else None
+        self.spec = spec
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        torch.set_grad_enabled(False)
+
+    def encode(self, prompt: str, response: str) -> list[int]:
+        ids = self.tok(prompt + response, add_special_tokens=False).input_ids
+        if self.spec.append_eos and self.tok.eos_token_id is not None and (not ids or ids[-1] != self.tok.eos_token_id):
+            ids = ids[:self.spec.max_len - 1] + [self.tok.eos_token_id]
+        return ids[:self.spec.max_len]
+
+    def forward(self, batch: list[list[int]]):
+        """Raw rewards of a batch of token-id lists (left padded; position ids from the mask). (B,)"""
+        import torch
+
+        width = max(len(x) for x in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, x in enumerate(batch):
+            ids[r, width - len(x):] = torch.tensor(x)
+            mask[r, width - len(x):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        h = self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                      position_ids=pos.to(self.device)).last_hidden_state  # (B, T, H)
+        return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
+
+    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        enc = [self.encode(p, r) for p, r in pairs]
+        out = [0.0] * len(enc)
+        order = sorted(range(len(enc)), key=lambda i: -len(enc[i]))
+        for s in range(0, len(order), self.spec.batch_size):
+            idx = order[s:s + self.spec.batch_size]
+            vals = self.forward([enc[i] for i in idx]).cpu().tolist()
+            for i, v in zip(idx, vals):
+                out[i] = v if self.stats is None else (v - self.stats[0]) / self.stats[1]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- reward_func file
+def load_reward_func(path: str, storage_options: dict | None = None):
+    """The `reward_func` defined in a Python file (any fsspec URI)."""
+    fs, p = store.filesystem(path, storage_options)
+    if not fs.exists(p):
+        raise RewardError(f"reward_func file {path} does not exist")
+    with fs.open(p, "r") as f:
+        code = f.read()
+    module = types.ModuleType("rlhf_flows_reward_func")
+    module.__file__ = str(path)
+    try:
+        exec(compile(code, str(path), "exec"), module.__dict__)
+    except Exception as e:
+        raise RewardError(f"reward_func file {path} failed to import: {type(e).__name__}: {e}") from e
+    fn = module.__dict__.get("reward_func")
+    if not callable(fn):
+        raise RewardError(f"reward_func file {path} defines no reward_func(queries, prompts, labels)")
+    return fn
+
+
+def _floats(value, what: str) -> list[float]:
+    if hasattr(value, "detach"):
+        value = value.detach().float().cpu().reshape(-1).tolist()
+    try:
+        return [float(v) for v in value]
+    except (TypeError, ValueError):
+        raise RewardError(f"{what} returned rewards of type {type(value).__name__}, not numbers") from None
+
+
+def _parse(result, n: int, what: str) -> Rewards:
+    """OpenRLHF's reward_func result: a tensor/list, or a dict with rewards (+ scores, extra_logs)."""
+    if isinstance(result, dict):
+        if "rewards" not in result:
+            raise RewardError(f"{what} returned a dict without 'rewards' (keys {sorted(result)})")
+        rewards = _floats(result["rewards"], what)
+        scores = _floats(result["scores"], what) if result.get("scores") is not None else None
+        logs = {k: sum(_floats(v, what)) / max(1, len(_floats(v, what))) if not isinstance(v, (int, float)) else float(v)
+                for k, v in (result.get("extra_logs") or {}).items()}
+    else:
+        rewards, scores, logs = _floats(result, what), None, {}
+    if len(rewards) != n or (scores is not None and len(scores) != n):
+        raise RewardError(f"{what} returned {len(rewards)} rewards for {n} queries")
+    return Rewards(rewards, scores, logs)
+
+
+def _remote(url: str, queries, prompts, labels, timeout_s: float, retries: int) -> dict:
+    import requests
+
+    last = None
+    for attempt in range(max(1, retries)):
+        try:
+            resp = requests.post(url, json={"query": queries, "prompts": prompts, "labels": labels}, timeout=timeout_s)
+            resp.raise_for_status()
+            return resp.json()
+        except (requests.RequestException, ValueError) as e:
+            last = e
+            log.warning("reward server %s attempt %d/%d failed: %s", url, attempt + 1, retries, e)
+            if attempt + 1 < retries:
+                time.sleep(min(8.0, 0.5 * 2 ** attempt))
+    raise RewardError(f"remote reward server {url} unreachable after {max(1, retries)} attempts: "
+                      f"{type(last).__name__}: {last}")
+
+
+# ---------------------------------------------------------------------------------------------- the interface
+def check_finite(rewards: list[float], what: str = "rewards") -> None:
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise RewardError(f"{what}: {len(bad)} non-finite reward(s) (NaN/inf) at rows {bad[:20]}"
+                          + (" ..." if len(bad) > 20 else "") + f": {[rewards[i] for i in bad[:5]]}")
+
+
+def compute_rewards(spec: RewardSpec, prompts: list[str], responses: list[str], labels: list | None = None,
+                    num_engines: int = 0, ray_address: str | None = None) -> Rewards:
+    """Rewards for (prompt, response) pairs from the one source `spec` names; finite, in input order."""
+    labels = list(labels) if labels is not None else [None] * len(prompts)
+    kind = spec.kind
+    if kind == "model":
+        gpus = 1 if (num_engines > 0 and _cuda()) else 0
+        out = Rewards(run_engines(RMEngine, (spec.model, spec), "score", list(zip(prompts, responses)), {},
+                                  num_engines, ray_address, num_gpus_per_engine=gpus))
+        what = f"reward model {spec.model}"
+    else:
+        fn = load_reward_func(spec.func_path, spec.storage_options) if kind == "func_path" else None
+        what = f"reward_func in {spec.func_path}" if fn else f"remote reward server {spec.remote_url}"
+        out = Rewards([], None, {})
+        logs: dict[str, list[float]] = {}
+        for s in range(0, len(prompts), spec.batch_size):
+            q = [p + r for p, r in zip(prompts[s:s + spec.batch_size], responses[s:s + spec.batch_size])]
+            ps, ls = prompts[s:s + spec.batch_size], labels[s:s + spec.batch_size]
+            if fn:
+                try:
+                    raw = fn(q, ps, ls)
+                except Exception as e:
+                    raise RewardError(f"{what} raised {type(e).__name__}: {e}") from e
+            else:
+                raw = _remote(spec.remote_url, q, ps, ls, spec.timeout_s, spec.retries)
+            part = _parse(raw, len(q), what)
+            out.rewards += part.rewards
+            if part.scores is not None:
+                out.scores = (out.scores or []) + part.scores
+            for k, v in part.extra_logs.items():
+                logs.setdefault(k, []).append(v)
+        out.extra_logs = {k: sum(v) / len(v) for k, v in logs.items()}
+    check_finite(out.rewards, what)
+    return out

@@ -1,0 +1,180 @@
+"""Tokenized training examples, the deterministic data order, and batch collation (padded or packed).
+
+The data order is a pure function of (seed, epoch, step), so a resumed job trains exactly the samples the
+killed one had not reached: no checkpointed iterator is needed, only the step number.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_core.data import DataError
+
+
+# ---------------------------------------------------------------------------------------------- tokenizing (parent)
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _fit(prompt: list[int], response: list[int], max_len: int, overlong: str, where: str) -> tuple[list[int], bool]:
+    """prompt + response within max_len: the response is cut (then the prompt from the left) or the row refused."""
+    ids = prompt + response
+    if len(ids) <= max_len:
+        return ids, False
+    if overlong == "reject":
+        raise DataError(f"{where}: {len(ids)} tokens exceed max_len {max_len} (set overlong=truncate to cut it)")
+    if len(prompt) >= max_len:  # keep the prompt's end and one response token
+        prompt = prompt[-(max_len - 1):]
+    return (prompt + response)[:max_len], True
+
+
+def tokenize_sft(rows: list[dict], tok, max_len: int, pretrain_mode: bool = False, overlong: str = "truncate",
+                 where: str = "sft data") -> tuple[list[dict], int]:
+    """sft rows (input, output) -> {ids, start}: loss on ids[start:] (0 in pretrain_mode). Returns (records, n_cut)."""
+    out, cut = [], 0
+    for i, r in enumerate(rows):
+        if not str(r["output"]).strip():
+            raise DataError(f"{where} row {i}: key 'output' is empty")
+        prompt, resp = _ids(tok, r["input"]), _ids(tok, r["output"]) + [tok.eos_token_id]
+        ids, c = _fit(prompt, resp, max_len, overlong, f"{where} row {i}")
+        cut += c
+        out.append({"ids": ids, "start": 0 if pretrain_mode else min(len(prompt), len(ids) - 1)})
+    return out, cut
+
+
+def tokenize_pairs(rows: list[dict], tok, max_len: int, overlong: str = "truncate", where: str = "pairs data",
+                   extra: tuple[str, ...] = ()) -> tuple[list[dict], int]:
+    """pairs rows (prompt, chosen, rejected) -> {chosen_ids, chosen_start, rejected_ids, rejected_start, *extra}."""
+    out, cut = [], 0
+    for i, r in enumerate(rows):
+        for k in ("chosen", "rejected"):
+            if not isinstance(r.get(k), str) or not r[k].strip():
+                raise DataError(f"{where} row {i}: key {k!r} is empty or missing (prompt-only rows cannot be trained on)")
+        if r["chosen"] == r["rejected"]:
+            raise DataError(f"{where} row {i}: 'chosen' and 'rejected' are identical ({r['chosen'][:40]!r})")
+        prompt = _ids(tok, r.get("prompt") or "")
+        rec = {}
+        for k in ("chosen", "rejected"):
+            ids, c = _fit(prompt, _ids(tok, r[k]) + [tok.eos_token_id], max_len, overlong, f"{where} row {i} ({k})")
+            cut += c
+            rec[f"{k}_ids"], rec[f"{k}_start"] = ids, min(len(prompt), len(ids) - 1)
+        for k in extra:
+            if r.get(k) is None:
+                raise DataError(f"{where} row {i}: key {k!r} is missing or null")
+            rec[k] = float(r[k])
+        out.append(rec)
+    return out, cut
+
+
+def seq_len(rec: dict) -> int:
+    return len(rec["ids"]) if "ids" in rec else len(rec["chosen_ids"]) + len(rec["rejected_ids"])
+
+
+# ---------------------------------------------------------------------------------------------- data order
+@dataclass
+class BatchPlan:
+    """Which sample ids each optimizer step and each rank's micro-batches train on.
+
+    Epoch e is a seeded permutation; with `bucketing`, windows of 8 global batches are sorted by length and
+    cut into batches (batch order re-shuffled), so a micro-batch pads only to similar lengths."""
+
+    lengths: list[int]
+    train_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    seed: int
+    max_epochs: int
+    bucketing: bool = True
+
+    def __post_init__(self):
+        self.steps_per_epoch = len(self.lengths) // self.train_batch_size
+        if self.steps_per_epoch == 0:
+            raise DataError(f"{len(self.lengths)} samples are fewer than one train_batch_size ({self.train_batch_size})")
+        self.total_steps = self.steps_per_epoch * self.max_epochs
+        self._epochs: dict[int, list[list[int]]] = {}
+
+    def _epoch(self, e: int) -> list[list[int]]:
+        if e not in self._epochs:
+            rng = random.Random(self.seed * 1000 + e)
+            order = list(range(len(self.lengths)))
+            rng.shuffle(order)
+            order = order[: self.steps_per_epoch * self.train_batch_size]
+            B = self.train_batch_size
+            batches = []
+            win = B * (8 if self.bucketing else 1)
+            for w in range(0, len(order), win):
+                chunk = order[w:w + win]
+                if self.bucketing:
+                    chunk = sorted(chunk, key=lambda i: self.lengths[i])
+                part = [chunk[k:k + B] for k in range(0, len(chunk), B)]
+                if self.bucketing:
+                    rng.shuffle(part)
+                batches += part
+            self._epochs = {e: batches}  # keep one epoch in memory
+        return self._epochs[e]
+
+    def batch(self, step: int) -> list[int]:
+        """The global batch (all ranks) of optimizer step `step` (0-based)."""
+        return self._epoch(step // self.steps_per_epoch)[step % self.steps_per_epoch]
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        ids = sorted(self.batch(step), key=lambda i: self.lengths[i])
+        m = self.micro_batch_size
+        mbs = [ids[k:k + m] for k in range(0, len(ids), m)]
+        return mbs[rank::self.world_size]
+
+
+# ---------------------------------------------------------------------------------------------- collation
+@dataclass
+class Batch:
+    """Sequences as rows (padded, R = n) or packed into one row (R = 1).
+    input_ids, position_ids, target_mask, segment: # (R, T); segment = sample index, n for padding;
+    last: # (n, 2) (row, column) of each sample's last token; attention_mask None when packed."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    target_mask: torch.Tensor
+    segment: torch.Tensor
+    last: torch.Tensor
+    n: int
+
+    @property
+    def real_tokens(self) -> int:
+        return int((self.segment < self.n).sum())
+
+
+def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool = False) -> Batch:
+    """Token lists -> a Batch. Token t of sample i is a loss target iff t >= max(start_i, 1)
+    (the first token of a sample is never predicted from inside the sample)."""
+    n = len(seqs)
+    if packed:
+        ids = [t for s in seqs for t in s]
+        pos = [p for s in seqs for p in range(len(s))]
+        seg = [i for i, s in enumerate(seqs) for _ in s]
+        tgt = [int(p >= max(st, 1)) for s, st in zip(seqs, starts) for p in range(len(s))]
+        ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+        t = lambda x: torch.tensor([x])  # noqa: E731
+        return Batch(t(ids), t(pos), None, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n)
+    T = max(len(s) for s in seqs)
+    ids = torch.full((n, T), pad_id)
+    att = torch.zeros((n, T), dtype=torch.long)
+    tgt = torch.zeros((n, T), dtype=torch.long)
+    seg = torch.full((n, T), n)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        att[i, :len(s)] = 1
+        tgt[i, max(st, 1):len(s)] = 1
+        seg[i, :len(s)] = i
+    pos = torch.arange(T).expand(n, T).clone()
+    last = torch.stack([torch.arange(n), torch.tensor([len(s) - 1 for s in seqs])], 1)
+    return Batch(ids, pos, att, tgt, seg, last, n)
+
+
+def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Sum of next-token values over each sample's targets. values # (R, T-1) aligned to targets 1..T-1 -> # (n,)."""
+    seg = batch.segment[:, 1:].reshape(-1)
+    w = values * batch.target_mask[:, 1:].to(values.dtype)
+    return torch.zeros(batch.n + 1, dtype=values.dtype, device=values.device).index_add(0, seg, w.reshape(-1))[: batch.n]
