@@ -30,7 +30,7 @@ def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
 
     mod = _flow_module(flow)
     params = load_config(mod.Params, config, overrides)
-    report = mod.flow(params)
+    report = mod.FLOW(params)
     print(json.dumps(report, indent=2, default=str) if isinstance(report, dict) else report)
     return 0
 

@@ -261,3 +261,14 @@ def generate(model: str, prompt_ids: list[list[int]], params: SamplingSpec, back
     log.info("generated %d x %d samples with %s on %d engine(s) in %.1fs", len(prompt_ids), params.n, backend,
              num_engines, time.perf_counter() - t0)
     return out
+
+
+def model_input(uri: str, storage_options: dict | None = None):
+    """(local folder, lineage manifest) for a model given as a committed artifact or a plain HF folder."""
+    from rlhf_core import store
+
+    if store.committed_any(uri, storage_options):
+        return store.fetch_model(uri, storage_options), store.read_manifest(uri, storage_options=storage_options)
+    if not Path(str(uri)).is_dir():
+        raise FileNotFoundError(f"model {uri} is neither a committed artifact nor a local HF folder")
+    return Path(str(uri)), store.source_manifest(uri, storage_options)

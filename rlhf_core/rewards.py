@@ -250,7 +250,7 @@ def compute_rewards(spec: RewardSpec, prompts: list[str], responses: list[str], 
         fn = load_reward_func(spec.func_path, spec.storage_options) if kind == "func_path" else None
         what = f"reward_func in {spec.func_path}" if fn else f"remote reward server {spec.remote_url}"
         out = Rewards([], None, {})
-        logs: dict[str, list[float]] = {}
+        logs: dict[str, list[tuple[float, int]]] = {}
         for s in range(0, len(prompts), spec.batch_size):
             q = [p + r for p, r in zip(prompts[s:s + spec.batch_size], responses[s:s + spec.batch_size])]
             ps, ls = prompts[s:s + spec.batch_size], labels[s:s + spec.batch_size]
@@ -266,7 +266,7 @@ def compute_rewards(spec: RewardSpec, prompts: list[str], responses: list[str], 
             if part.scores is not None:
                 out.scores = (out.scores or []) + part.scores
             for k, v in part.extra_logs.items():
-                logs.setdefault(k, []).append(v)
-        out.extra_logs = {k: sum(v) / len(v) for k, v in logs.items()}
+                logs.setdefault(k, []).append((v * len(q), len(q)))
+        out.extra_logs = {k: sum(a for a, _ in v) / sum(n for _, n in v) for k, v in logs.items()}  # per-row mean
     check_finite(out.rewards, what)
     return out

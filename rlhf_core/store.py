@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -89,7 +90,6 @@ def storage_options_for(uri: str, storage_options: dict | None = None) -> dict:
         config_kwargs = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}
         config_kwargs.update(opts.pop("config_kwargs", {}) or {})
         opts["config_kwargs"] = config_kwargs
-        opts.setdefault("skip_instance_cache", True)
     return opts
 
 
@@ -290,9 +290,8 @@ def read_table(uri: str, stage: str | tuple[str, ...] | None = None, storage_opt
     m = read_manifest(uri, stage, storage_options)
     fs, _ = filesystem(uri, storage_options)
     tables = []
-    for f in table_files(m):
-        with fs.open(filesystem(f, storage_options)[1], "rb") as fh:
-            tables.append(pq.read_table(fh, columns=columns))
+    for f in table_files(m):  # one GET per file: parquet's footer-then-columns range reads cost a round trip each
+        tables.append(pq.read_table(io.BytesIO(fs.cat_file(filesystem(f, storage_options)[1])), columns=columns))
     if not tables:
         raise ArtifactError(f"{uri} holds no parquet file")
     return pa.concat_tables(tables)

@@ -1,0 +1,373 @@
+"""What the loop flows share: the run lock, the per-iteration report, demo inputs, stage-config building.
+
+Resume does not depend on Prefect's database: every stage writes a committed manifest under
+`{root}/{run_name}/...`, and a rerun with the same run_name skips each stage whose manifest matches its
+fingerprint (any machine, fresh Prefect database). Prefect's cache is a second layer (stages.common.call).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlhf_core import store
+from stages.common import ConfigError, call  # noqa: F401  (re-exported for flows)
+
+LOCK = "_LOCK.json"
+
+
+class FlowParams(BaseModel):
+    """Fields every loop flow has. Sub-dicts hold per-stage settings (any field of that stage's Config
+    except its URIs); they are validated against the stage configs before any work starts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: str = Field("runs", description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$", description="Run folder under root; rerun = resume.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (never logged).")
+    demo: bool = Field(False, description="Build the demo inputs (tiny models, toy-review data) offline first.")
+    iterations: int = Field(3, ge=1, description="Number of loop iterations.")
+    stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
+    max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
+    lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
+
+
+def stage_config(module, base: dict, **fields):
+    """module.Config from a flow's per-stage dict plus the URIs the flow wires in."""
+    try:
+        return module.Config(**{**base, **fields})
+    except ValidationError as e:
+        name = module.__name__.rsplit(".", 1)[-1]
+        lines = [f"  {name}.{'.'.join(map(str, err['loc']))}: "
+                 + ("unknown field (typo?)" if err["type"] == "extra_forbidden" else err["msg"]) for err in e.errors()]
+        raise ConfigError(f"invalid flow config for stage {name}:\n" + "\n".join(lines)) from None
+
+
+# ---------------------------------------------------------------------------------------------- lock
+@contextmanager
+def run_lock(root: str, run_name: str, lease_s: float = 120.0, storage_options: dict | None = None):
+    """One writer per run folder. The lock object names its holder and is refreshed every lease/4 seconds.
+    It is stale (taken over) when its lease expired, or when it was held on this host by a pid that is gone
+    (a SIGKILLed flow); otherwise a second run with the same run_name is refused with a clear message."""
+    fs, path = store.filesystem(store.join(root, run_name), storage_options)
+    lock_path = store.join(path, LOCK)
+    me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def write():
+        with fs.open(lock_path, "w") as f:
+            f.write(json.dumps({**me, "refreshed_at": time.time()}))
+
+    if fs.exists(lock_path):
+        with fs.open(lock_path) as f:
+            held = json.loads(f.read() or "{}")
+        alive = time.time() - held.get("refreshed_at", 0) < lease_s
+        if alive and held.get("host") == me["host"]:
+            alive = _pid_alive(held.get("pid"))
+        if alive:
+            raise RuntimeError(f"run {store.join(root, run_name)} is in use by pid {held.get('pid')} on "
+                               f"{held.get('host')} (lock {LOCK} refreshed {time.time() - held['refreshed_at']:.0f}s ago); "
+                               f"wait for it, or pick another run_name")
+    fs.makedirs(path, exist_ok=True)
+    write()
+    time.sleep(0.05)
+    with fs.open(lock_path) as f:  # lost a race with another starter?
+        if json.loads(f.read()).get("token") != me["token"]:
+            raise RuntimeError(f"run {store.join(root, run_name)} was just taken by another process")
+    stop = threading.Event()
+
+    def refresh():
+        while not stop.wait(lease_s / 4):
+            write()
+
+    t = threading.Thread(target=refresh, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+        fs.rm(lock_path)
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- report
+class Report:
+    """Per-iteration numbers: a Prefect table + markdown artifact, a PNG plot and report.json in the run."""
+
+    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None):
+        self.flow, self.run_uri, self.storage_options = flow, store.join(root, run_name), storage_options
+        self.rows: list[dict] = []
+        self.links: dict[str, str] = {}
+        self.stop_reason = "completed all iterations"
+        self.started = time.time()
+        self.eval_cfg: dict = {}
+
+    def add(self, row: dict, links: dict[str, str] | None = None) -> None:
+        self.rows.append(row)
+        self.links.update(links or {})
+        self.publish()
+
+    def publish(self) -> dict:
+        rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
+               "artifacts": self.links, "wall_s": round(time.time() - self.started, 2)}
+        fs, path = store.filesystem(self.run_uri, self.storage_options)
+        with fs.open(store.join(path, "report.json"), "w") as f:
+            f.write(json.dumps(rep, indent=2, default=str))
+        self._plot(fs, path)
+        self._prefect_artifacts()
+        return rep
+
+    def _plot(self, fs, path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for key, label in (("gold_reward", "gold reward (held-out)"), ("rm_reward", "RM reward (held-out)")):
+            pts = [(r["iteration"], r[key]) for r in self.rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xlabel("iteration (0 = before RLHF)")
+        ax.set_ylabel("mean reward")
+        ax.set_title(f"{self.flow}: {self.run_uri.rsplit('/', 1)[-1]}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        with fs.open(store.join(path, "reward.png"), "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        plt.close(fig)
+
+    def _prefect_artifacts(self) -> None:
+        from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+        from prefect.context import FlowRunContext
+
+        if FlowRunContext.get() is None:
+            return
+        key = self.flow.replace("_", "-")
+        cols = sorted({k for r in self.rows for k, v in r.items() if not isinstance(v, dict)},
+                      key=lambda c: (c != "iteration", c))
+        table = [{c: (round(r[c], 4) if isinstance(r.get(c), float) else r.get(c)) for c in cols} for r in self.rows]
+        create_table_artifact(table, key=f"{key}-iterations", description=f"{self.flow}: per-iteration metrics")
+        md = [f"# {self.flow} — `{self.run_uri}`", f"Stop reason: **{self.stop_reason}**", "",
+              f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
+        md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
+        create_markdown_artifact("\n".join(md), key=f"{key}-report", description="every artifact of the run")
+        create_link_artifact(f"{self.run_uri}/reward.png", link_text="reward per iteration (PNG)", key=f"{key}-plot")
+
+
+# ---------------------------------------------------------------------------------------------- demo inputs
+def demo_inputs(root: str, run_name: str, seed: int = 0, storage_options: dict | None = None) -> dict[str, str]:
+    """The demo's inputs under `{root}/{run_name}/inputs/`, built offline and idempotently: a tiny policy and
+    a tiny reward-model base (committed artifacts sharing one tokenizer) and OpenRLHF-format JSONL files
+    (prompts, SFT warm-up rows, gold-labelled preference pairs, held-out eval prompts)."""
+    import tempfile
+
+    from rlhf_core import demo_task, tiny
+
+    base = store.join(root, run_name, "inputs")
+    uris = {"policy": store.join(base, "policy"), "reward_base": store.join(base, "reward_base")}
+    writers = {k: store.ArtifactWriter(u, "tiny-model", {"kind": k, "seed": seed}, storage_options=storage_options)
+               for k, u in uris.items()}
+    if not all(w.existing() for w in writers.values()):
+        with tempfile.TemporaryDirectory() as tmp:
+            policy, reward = tiny.build_tiny_pair(tmp, demo_task.corpus(seed), seed=seed)
+            for (k, w), local in zip(writers.items(), (policy, reward)):
+                w.begin()
+                w.upload_dir(local)
+                w.commit(metrics={"seed": seed})
+    files = {"prompts": demo_task.prompts(256, seed), "sft": demo_task.sft_rows(1024, seed),
+             "preferences": demo_task.preference_rows(1024, seed), "eval_prompts": demo_task.prompts(48, seed, held_out=True)}
+    fs, path = store.filesystem(base, storage_options)
+    for name, rows in files.items():
+        uris[name] = store.join(base, f"{name}.jsonl")
+        target = store.join(path, f"{name}.jsonl")
+        if not fs.exists(target):  # deterministic content; rewriting would only change the mtime-based lineage
+            with fs.open(target + ".tmp", "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+            fs.mv(target + ".tmp", target)
+    return uris
+
+
+# ---------------------------------------------------------------------------------------------- loop pieces
+class LoopParams(FlowParams):
+    """Inputs of a loop flow. Data sources are OpenRLHF-format files or committed artifacts on any URI."""
+
+    pretrain_uri: str | None = Field(None, description="Initial policy (model artifact). demo=true: the tiny policy.")
+    reward_uri: str | None = Field(None, description="Reward model artifact; if unset, one is trained on preference_data.")
+    reward_func_file: str | None = Field(None, description="Python file with reward_func(queries, prompts, labels), instead of an RM.")
+    reward_base_uri: str | None = Field(None, description="Model train_rm starts from (default: the reward base of the demo, else pretrain_uri).")
+    sft_data: str | None = Field(None, description="SFT warm-up data (input/output rows); skipped if unset.")
+    preference_data: str | None = Field(None, description="Preference pairs for train_rm.")
+    prompt_data: str | None = Field(None, description="Prompts the loop generates from (sliced per iteration).")
+    eval_prompt_data: str | None = Field(None, description="Held-out prompts for evaluation after each iteration.")
+    gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func for evaluation (the demo's).")
+    prepare: dict = Field(default_factory=dict, description="Keys for raw sources: input_key, apply_chat_template, ...")
+    sft: dict = Field(default_factory=dict, description="SFT warm-up settings.")
+    train_rm: dict = Field(default_factory=dict, description="Reward-model training settings.")
+    generate: dict = Field(default_factory=dict, description="Generation settings (backend, best_of_n, ...).")
+    score: dict = Field(default_factory=dict, description="Scoring settings.")
+    filter: dict = Field(default_factory=dict, description="Filter settings.")
+    eval: dict = Field(default_factory=dict, description="Evaluation settings.")
+
+
+def _stage(name: str):
+    import importlib
+
+    return importlib.import_module(f"stages.{name}")
+
+
+def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
+    """Before any work: the store answers, and every stage config the flow will build is valid (errors name
+    `stage.field`). Placeholder URIs stand in for the ones the loop wires in."""
+    store.check_reachable(p.root, p.storage_options)
+    x = "placeholder://"
+    stage_config(_stage("prepare"), {"kind": "prompts", **p.prepare}, data=x, output_uri=x)
+    stage_config(_stage("generate"), p.generate, policy_uri=x, prompts_uri=x, output_uri=x)
+    stage_config(_stage("score"), p.score, samples_uri=x, reward_model_uri=x, output_uri=x)
+    stage_config(_stage("filter"), {"method": "rs", **p.filter}, scored_uri=x, output_uri=x)
+    stage_config(_stage("eval"), p.eval, policy_uri=x, prompts_uri=x, reward_model_uri=x, output_uri=x)
+    stage_config(_stage("sft"), p.sft, policy_uri=x, dataset_uri=x, output_uri=x)
+    stage_config(_stage("train_rm"), p.train_rm, policy_uri=x, dataset_uri=x, output_uri=x)
+    for module, base in (checks or {}).items():
+        stage_config(module, base, **{f: x for f, info in module.Config.model_fields.items()
+                                      if f.endswith("_uri") and info.is_required()})
+    if not p.demo:
+        missing = [f for f in ("pretrain_uri", "prompt_data") if not getattr(p, f)]
+        if not (p.reward_uri or p.reward_func_file or p.preference_data):
+            missing.append("reward_uri (or reward_func_file, or preference_data to train one)")
+        if missing:
+            raise ConfigError(f"{flow_name}: missing {', '.join(missing)} (or set demo=true)")
+    return {"flow": flow_name}
+
+
+def prepare_inputs(p: LoopParams, run: dict):
+    """Demo inputs, committed prompt sets, SFT warm-up and reward model: everything before iteration 1.
+    Returns (policy_uri, score kwargs naming the reward source, prompts_uri, Report with iteration 0)."""
+    at = lambda stage: store.run_prefix(p.root, p.run_name, stage)  # noqa: E731
+    so = p.storage_options
+    d = demo_inputs(p.root, p.run_name, storage_options=so) if p.demo else {}
+    policy = p.pretrain_uri or d["policy"]
+    prompt_data, eval_data = p.prompt_data or d.get("prompts"), p.eval_prompt_data or d.get("eval_prompts")
+    sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
+    gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
+    report = Report(run["flow"], p.root, p.run_name, so)
+
+    prepare = _stage("prepare")
+    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=prompt_data,
+                                              tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
+    _check_slices(p, prompts["rows"])
+    eval_prompts = None
+    if eval_data:
+        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=eval_data,
+                                                       tokenizer_uri=_tok(p, policy), output_uri=at("eval_prompts"),
+                                                       storage_options=so))["uri"]
+    if sft_data:
+        sft = _stage("sft")
+        policy = call(sft.task, stage_config(sft, p.sft, policy_uri=policy, dataset_uri=sft_data, output_uri=at("sft"),
+                                             storage_options=so))["uri"]
+        report.links["sft"] = policy
+    if p.reward_uri or p.reward_func_file:
+        reward = {"reward_model_uri": p.reward_uri} if p.reward_uri else {"reward_func_path": p.reward_func_file}
+    else:
+        rm = _stage("train_rm")
+        base = p.reward_base_uri or d.get("reward_base") or p.pretrain_uri
+        reward = {"reward_model_uri": call(rm.task, stage_config(rm, p.train_rm, policy_uri=base, dataset_uri=pref_data,
+                                                                 output_uri=at("reward_model"), storage_options=so))["uri"]}
+    report.links.update({"prompts": prompts["uri"], **({"reward_model": reward.get("reward_model_uri")}
+                                                       if reward.get("reward_model_uri") else {})})
+    report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold,
+                           reward_model_uri=reward.get("reward_model_uri"))
+    evaluate_and_report(p, report, 0, policy, reward, [])
+    return policy, reward, prompts["uri"], report
+
+
+def _tok(p: LoopParams, policy: str) -> str | None:
+    return policy if p.prepare.get("apply_chat_template") else None
+
+
+def _demo_gold() -> str:
+    from rlhf_core import demo_task
+
+    return demo_task.__file__
+
+
+def _check_slices(p: LoopParams, n_prompts: int) -> None:
+    """OpenRLHF slices prompts by iteration: [k*R, (k+1)*R). Refuse a run whose last slice is past the end."""
+    r = p.generate.get("rollout_batch_size", _stage("generate").Config.model_fields["rollout_batch_size"].default)
+    if p.iterations * r > n_prompts:
+        raise ConfigError(f"iterations x generate.rollout_batch_size = {p.iterations} x {r} = {p.iterations * r} "
+                          f"prompts, but the prompt set has {n_prompts}: iteration {n_prompts // r + 1} would be "
+                          "past the end (lower iterations or rollout_batch_size, or add prompts)")
+
+
+def _seconds(m: dict) -> float | None:
+    import datetime as dt
+
+    try:
+        return round((dt.datetime.fromisoformat(m["finished_at"]) - dt.datetime.fromisoformat(m["created_at"])).total_seconds(), 2)
+    except (KeyError, ValueError):
+        return None
+
+
+def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, reward: dict, manifests: list[dict]) -> dict:
+    """Evaluate `policy` on the held-out prompts and add iteration k's row to the report."""
+    row: dict[str, Any] = {"iteration": k}
+    by_stage = {m["stage"]: m for m in manifests}
+    if "generate" in by_stage:
+        row["samples"] = by_stage["generate"]["metrics"].get("samples")
+    if "score" in by_stage:
+        row["train_rm_reward"] = by_stage["score"]["metrics"].get("reward_mean")
+    if "filter" in by_stage:
+        fm = by_stage["filter"]["metrics"]
+        row["kept"] = fm.get("rows_out")
+        row["ties_dropped"] = fm.get("dropped_ties")
+    for name in ("dpo", "sft"):
+        if name in by_stage:
+            tm = by_stage[name]["metrics"]
+            row.update({f"{name}_{key}": tm[key] for key in ("loss", "reward_margin", "reward_accuracy", "steps") if key in tm})
+    if report.eval_cfg.get("prompts_uri") and (report.eval_cfg.get("reward_model_uri") or report.eval_cfg.get("gold_reward_file")):
+        ev = _stage("eval")
+        em = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),
+                                        storage_options=p.storage_options, **report.eval_cfg))
+        row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
+        by_stage["eval"] = em
+    row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
+    report.add(row, {f"iter-{k}/{s}": m["uri"] for s, m in by_stage.items()} | {f"iter-{k}/policy": policy})
+    return row
+
+
+def out_of_time(p: LoopParams, report: Report) -> str | None:
+    if p.max_wall_time_s and time.time() - report.started > p.max_wall_time_s:
+        return f"max_wall_time_s={p.max_wall_time_s:g} reached after {len(report.rows) - 1} iterations"
+    return None
+
+
+def converged(p: LoopParams, report: Report) -> str | None:
+    """`stop_when_gain_below`: the eval reward (gold if the task has one, else RM) gained less than the threshold."""
+    if p.stop_when_gain_below is None or len(report.rows) < 2:
+        return None
+    key = "gold_reward" if report.rows[-1].get("gold_reward") is not None else "rm_reward"
+    prev, last = report.rows[-2].get(key), report.rows[-1].get(key)
+    if prev is None or last is None:
+        return None
+    if last - prev < p.stop_when_gain_below:
+        return (f"{key} gained {last - prev:+.4f} in iteration {report.rows[-1]['iteration']}, "
+                f"below stop_when_gain_below={p.stop_when_gain_below:g}")
+    return None

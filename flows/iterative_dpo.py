@@ -1,0 +1,70 @@
+"""Flow `iterative-dpo`: online iterative DPO (Xiong et al. 2024, https://arxiv.org/abs/2312.11456; the
+loop of OpenRLHF's former examples/scripts/train_iterative_dpo.sh, as a resumable Prefect flow).
+
+    optional: sft warm-up on sft_data; train_rm on preference_data when no reward model is given
+    for k in 1..iterations:
+        generate best_of_n responses from policy_k on prompt slice k      (Ray engines, vLLM or HF)
+        score them with the reward model
+        pairs: chosen = max reward, rejected = min reward per prompt      (ties dropped)
+        reference log-probs of the pairs under the reference model        (once per dataset)
+        dpo(policy_k) -> policy_{k+1}; evaluate on held-out prompts
+    reference = the initial policy (Online-RLHF), or the previous policy with ref_policy=previous.
+
+Every stage writes `{root}/{run_name}/iter-{k}/{stage}/`; rerunning with the same run_name resumes.
+
+    rlhf-flows run iterative-dpo --config configs/demo.yaml [key=value ...]
+    prefect deployment run 'iterative-dpo/demo'
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from prefect import flow
+from pydantic import Field
+
+from flows import common
+from flows.common import call, stage_config
+from rlhf_core import store
+from stages import dpo, filter as filter_stage, generate, reference, score
+
+
+class Params(common.LoopParams):
+    ref_policy: Literal["initial", "previous"] = Field("initial", description="Reference model for DPO.")
+    reference: dict = Field(default_factory=dict, description="Settings of the reference log-prob pass.")
+    dpo: dict = Field(default_factory=dict, description="DPO settings (beta, learning_rate, ...).")
+
+
+@flow(name="iterative-dpo", log_prints=True)
+def iterative_dpo(params: Params) -> dict:
+    p = params
+    run = common.setup(p, "iterative-dpo", checks={reference: p.reference, dpo: p.dpo})
+    with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
+        policy, reward, prompts, report = common.prepare_inputs(p, run)
+        ref = policy
+        for k in range(1, p.iterations + 1):
+            if (why := common.out_of_time(p, report)):
+                report.stop_reason = why
+                break
+            at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
+            samples = call(generate.task, stage_config(generate, p.generate, policy_uri=policy, prompts_uri=prompts,
+                                                       iter=k - 1, output_uri=at("generate"), storage_options=p.storage_options))
+            scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward,
+                                                   output_uri=at("score"), storage_options=p.storage_options))
+            pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"}, scored_uri=scored["uri"],
+                                                         output_uri=at("pairs"), storage_options=p.storage_options))
+            pairs = call(reference.task, stage_config(reference, p.reference, pairs_uri=pairs["uri"], ref_uri=ref,
+                                                      output_uri=at("reference"), storage_options=p.storage_options))
+            trained = call(dpo.task, stage_config(dpo, p.dpo, pairs_uri=pairs["uri"], policy_uri=policy,
+                                                  output_uri=at("dpo"), storage_options=p.storage_options))
+            policy = trained["uri"]
+            if p.ref_policy == "previous":
+                ref = policy
+            common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, pairs, trained])
+            if (why := common.converged(p, report)):
+                report.stop_reason = why
+                break
+    return report.publish()
+
+
+FLOW = iterative_dpo

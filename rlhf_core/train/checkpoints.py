@@ -1,0 +1,113 @@
+"""Training checkpoints on the store: `{output_uri}/checkpoints/step-{N}/` holds DeepSpeed's files, and
+`_CHECKPOINT.json` (written LAST) names the job fingerprint, the step, and every file with size and sha256.
+
+A folder without the marker is an interrupted upload and is ignored. A marker with another fingerprint
+(foreign) or files that do not match it (corrupt) is refused by name: training never continues from
+garbage. DeepSpeed loads its files with torch.load(weights_only=False), so files are loaded only after
+their sha256 matched the marker written by the job that saved them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from rlhf_core import store
+
+MARKER = "_CHECKPOINT.json"
+log = logging.getLogger("rlhf_flows")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be resumed from; the message names it."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def upload(local_dir: str | Path, root_uri: str, tag: str, fingerprint: str, state: dict,
+           storage_options: dict | None = None, keep_last: int = 1) -> str:
+    """Copy a DeepSpeed checkpoint folder to `{root_uri}/{tag}/`, marker last; drop older checkpoints."""
+    local_dir = Path(local_dir)
+    fs, root = store.filesystem(root_uri, storage_options)
+    files = []
+    for p in sorted(local_dir.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(local_dir).as_posix()
+            dest = store.join(root, tag, rel)
+            fs.makedirs(fs._parent(dest), exist_ok=True)
+            fs.put_file(str(p), dest)
+            files.append({"path": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
+    with fs.open(store.join(root, tag, MARKER), "w") as f:
+        f.write(json.dumps({"fingerprint": fingerprint, "tag": tag, "files": files, **state}, indent=1))
+    for old in sorted(_tags(fs, root), key=_step)[:-keep_last]:
+        if old != tag:
+            fs.rm(store.join(root, old), recursive=True)
+    return store.join(root_uri, tag)
+
+
+def _tags(fs, root: str) -> list[str]:
+    if not fs.exists(root):
+        return []
+    return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p)]
+
+
+def _step(tag: str) -> int:
+    try:
+        return int(tag.rsplit("-", 1)[-1])
+    except ValueError:
+        return -1
+
+
+def latest(root_uri: str, fingerprint: str, storage_options: dict | None = None) -> dict | None:
+    """The newest committed checkpoint's marker (plus "uri"), None if there is none; CheckpointError if the
+    newest is foreign or corrupt."""
+    fs, root = store.filesystem(root_uri, storage_options)
+    for tag in sorted(_tags(fs, root), key=_step, reverse=True):
+        uri, mpath = store.join(root_uri, tag), store.join(root, tag, MARKER)
+        if not fs.exists(mpath):
+            log.warning("ignoring incomplete checkpoint %s (no %s)", uri, MARKER)
+            continue
+        try:
+            with fs.open(mpath, "r") as f:
+                meta = json.loads(f.read())
+            files, fp = meta["files"], meta["fingerprint"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"corrupt checkpoint {uri}: unreadable {MARKER} ({type(e).__name__}: {e}); "
+                                  f"delete it to train from scratch") from None
+        if fp != fingerprint:
+            raise CheckpointError(f"foreign checkpoint {uri}: made by a job with fingerprint {fp}, this job is "
+                                  f"{fingerprint} (another config or input); delete it or set resume=false")
+        for fi in files:
+            p = store.join(root, tag, fi["path"])
+            if not fs.exists(p) or fs.size(p) != fi["size"]:
+                raise CheckpointError(f"corrupt checkpoint {uri}: file {fi['path']} is missing or has the wrong "
+                                      f"size (expected {fi['size']} bytes); delete it to train from scratch")
+        return {**meta, "uri": uri}
+    return None
+
+
+def download(meta: dict, local_dir: str | Path, storage_options: dict | None = None) -> Path:
+    """Fetch a checkpoint found by `latest` into `local_dir/{tag}` and verify every file's sha256."""
+    fs, path = store.filesystem(meta["uri"], storage_options)
+    dest = Path(local_dir) / meta["tag"]
+    for fi in meta["files"]:
+        target = dest / fi["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(store.join(path, fi["path"]), str(target))
+        if _sha256(target) != fi["sha256"]:
+            raise CheckpointError(f"corrupt checkpoint {meta['uri']}: file {fi['path']} does not match its sha256 "
+                                  f"in {MARKER}; delete it to train from scratch")
+    return dest
+
+
+def remove_all(root_uri: str, storage_options: dict | None = None) -> None:
+    fs, root = store.filesystem(root_uri, storage_options)
+    if fs.exists(root):
+        fs.rm(root, recursive=True)

@@ -1,0 +1,249 @@
+"""The training child: `python -m rlhf_core.train.entry SPEC.json`, started by the deepspeed launcher
+(or torchrun) from rlhf_core.train.launch. One file for SFT, reward-model and DPO training; only the loss
+differs (rlhf_core.losses). The parent tokenized and validated the data; this process trains, checkpoints
+every `save_steps` to the store, saves the final model (safetensors) and writes result.json.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core import losses
+from rlhf_core.train import checkpoints
+from rlhf_core.train.batches import BatchPlan, collate, per_sample_sum, seq_len
+
+
+def _say(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def init_distributed():
+    """gloo on CPU, nccl on GPU. Outside a launcher, act as rank 0 of 1. DeepSpeed's shared-memory
+    allreduce op is switched off on CPU: it JIT-compiles for 60-80 s and gloo is enough here."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        from rlhf_core.jobs import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
+    import deepspeed
+    import deepspeed.ops
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        deepspeed.ops.__dict__["__compatible_ops__"] = {}  # no op is built or probed (see docstring)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    return deepspeed, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cuda
+
+
+def load_model(spec: dict, cuda: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if spec.get("load_in_4bit") and not cuda:
+        raise SystemExit("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none")
+    dtype = torch.bfloat16 if spec["bf16"] else torch.float32
+    if spec["method"] == "rm":
+        model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1, dtype=dtype,
+                                                                   use_safetensors=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True)
+    if spec["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec["lora_rank"] > 0:
+        from peft import LoraConfig, get_peft_model
+
+        task = "SEQ_CLS" if spec["method"] == "rm" else "CAUSAL_LM"
+        model = get_peft_model(model, LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"],
+                                                 lora_dropout=spec["lora_dropout"], task_type=task,
+                                                 target_modules=spec["target_modules"] or "all-linear"))
+    return model
+
+
+def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int):
+    """One forward over token lists: (summed target log-probs # (n,), target counts # (n,)) for LMs, or
+    (scalar rewards # (n,), None) for a reward model (score head on each sample's last token)."""
+    b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+    dev = engine.device
+    ids, pos = b.input_ids.to(dev), b.position_ids.to(dev)
+    att = b.attention_mask.to(dev) if b.attention_mask is not None else None
+    model = engine.module
+    if spec["method"] == "rm":
+        core = model.get_base_model() if hasattr(model, "get_base_model") else model
+        h = getattr(core, core.base_model_prefix)(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state
+        values = core.score(h).squeeze(-1).float()  # (R, T)
+        last = b.last.to(dev)
+        return values[last[:, 0], last[:, 1]], None, b.real_tokens
+    logits = engine(input_ids=ids, attention_mask=att, position_ids=pos).logits  # (R, T, V)
+    lp = losses.token_logprobs(logits, ids)  # (R, T-1)
+    b.segment, b.target_mask = b.segment.to(dev), b.target_mask.to(dev)
+    return per_sample_sum(lp, b), per_sample_sum(torch.ones_like(lp), b), b.real_tokens
+
+
+def step_loss(engine, spec: dict, recs: list[dict], pad_id: int):
+    """Loss (scalar) and detached per-example metrics of one micro-batch."""
+    m = spec["method"]
+    if m == "sft":
+        lp, n, tokens = forward(engine, spec, [r["ids"] for r in recs], [r["start"] for r in recs], pad_id)
+        loss = -lp.sum() / n.sum().clamp(min=1)  # token-level mean NLL (OpenRLHF's GPTLMLoss)
+        return loss, {"loss": loss.detach().expand(len(recs))}, tokens
+    seqs = [r["chosen_ids"] for r in recs] + [r["rejected_ids"] for r in recs]
+    starts = [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs]
+    out, n, tokens = forward(engine, spec, seqs, starts, pad_id)  # chosen and rejected in one forward
+    k = len(recs)
+    dev = out.device
+    if m == "rm":
+        margin = torch.tensor([r.get("margin", 0.0) for r in recs], device=dev) if spec["use_margin"] else None
+        o = losses.pairwise_rm_loss(out[:k], out[k:], margin, spec["loss"])
+        return o.losses.mean(), {"loss": o.losses.detach(), **o.metrics}, tokens
+    ref_c = torch.tensor([r["ref_chosen_logp"] for r in recs], device=dev)
+    ref_r = torch.tensor([r["ref_rejected_logp"] for r in recs], device=dev)
+    o = losses.dpo_loss(out[:k], out[k:], ref_c, ref_r, spec["beta"], spec["loss_type"], spec["label_smoothing"])
+    per = o.losses
+    if spec["nll_loss_coef"] > 0:
+        per = per + spec["nll_loss_coef"] * losses.nll_per_token(out[:k], n[:k])
+    return per.mean(), {"loss": per.detach(), **o.metrics}, tokens
+
+
+def evaluate(engine, spec: dict, records: list[dict], rank: int, world: int, pad_id: int) -> dict:
+    """Metrics over the whole training set after training (rm: accuracy and reward mean/std; dpo: margins)."""
+    import torch.distributed as dist
+
+    sums: dict[str, float] = {}
+    engine.eval()
+    with torch.no_grad():
+        for k in range(rank * spec["micro_train_batch_size"], len(records), world * spec["micro_train_batch_size"]):
+            recs = records[k:k + spec["micro_train_batch_size"]]
+            _, met, _ = step_loss(engine, spec, recs, pad_id)
+            for name, v in met.items():
+                sums[name] = sums.get(name, 0.0) + float(v.sum())
+            if spec["method"] == "rm":
+                r = torch.cat([met["chosen_reward"], met["rejected_reward"]])
+                sums["r_sum"] = sums.get("r_sum", 0.0) + float(r.sum())
+                sums["r_sq"] = sums.get("r_sq", 0.0) + float((r * r).sum())
+    names = sorted(sums)
+    t = torch.tensor([sums[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t)
+    tot = dict(zip(names, t.tolist()))
+    out = {f"final_{n}": tot[n] / len(records) for n in names if n not in ("r_sum", "r_sq")}
+    if spec["method"] == "rm":
+        mean = tot["r_sum"] / (2 * len(records))
+        out["reward_mean"], out["reward_std"] = mean, math.sqrt(max(tot["r_sq"] / (2 * len(records)) - mean ** 2, 1e-12))
+    engine.train()
+    return out
+
+
+def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
+    """save_pretrained (safetensors) + tokenizer; ZeRO-3 weights gathered; LoRA: adapter and merged model."""
+    from transformers import AutoTokenizer
+
+    out = Path(spec["work_dir"]) / "model"
+    model = engine.module
+    sd = engine._zero3_consolidated_16bit_state_dict() if spec["zero_stage"] == 3 else None  # all ranks
+    if rank != 0:
+        return
+    for k, v in extra_config.items():
+        setattr((model.get_base_model() if hasattr(model, "get_base_model") else model).config, k, v)
+    if spec["lora_rank"] > 0:
+        model.save_pretrained(str(out / "adapter"), safe_serialization=True)
+        if spec["lora_merge"]:
+            model.merge_and_unload().save_pretrained(str(out), safe_serialization=True)
+    else:
+        model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
+    AutoTokenizer.from_pretrained(spec["model_dir"]).save_pretrained(str(out))
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    deepspeed, rank, world, cuda = init_distributed()
+    import pyarrow.parquet as pq
+    import torch.distributed as dist
+
+    torch.manual_seed(spec["seed"])
+    records = pq.read_table(spec["data_path"]).to_pylist()
+    plan = BatchPlan([seq_len(r) for r in records], spec["train_batch_size"], spec["micro_train_batch_size"], world,
+                     spec["seed"], spec["max_epochs"], spec["length_bucketing"])
+    total = plan.total_steps
+    model = load_model(spec, cuda)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec["learning_rate"], betas=tuple(spec["adam_betas"]), weight_decay=spec["l2"])
+    warm = max(1, math.ceil(spec["lr_warmup_ratio"] * total))
+    min_ratio = spec["min_lr_ratio"]
+
+    def lr_lambda(s: int) -> float:  # linear warm-up, then cosine decay to min_lr_ratio (OpenRLHF cosine_with_min_lr)
+        if s < warm:
+            return (s + 1) / warm
+        prog = (s - warm) / max(1, total - warm)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    zero = {"stage": spec["zero_stage"]}
+    if spec["adam_offload"]:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    ds_config = {"train_batch_size": spec["train_batch_size"], "train_micro_batch_size_per_gpu": spec["micro_train_batch_size"],
+                 "gradient_clipping": spec["max_norm"], "zero_optimization": zero, "bf16": {"enabled": spec["bf16"]},
+                 "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9,
+                 "wall_clock_breakdown": False}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
+    pad_id = spec["pad_id"]
+
+    start, history = 0, []
+    if spec.get("resume_dir"):
+        d = Path(spec["resume_dir"])
+        _, client = engine.load_checkpoint(str(d.parent), tag=d.name, load_module_strict=False)
+        start, history = client["step"], client["history"]
+        torch.set_rng_state(torch.tensor(client["rng"], dtype=torch.uint8))
+        _say(rank, f"resumed from checkpoint {spec['resume_uri']} at step {start}/{total}")
+    _say(rank, f"training {spec['method']}: {len(records)} samples, {total} steps, world size {world}")
+    t0, tokens_done = time.time(), 0
+    for step in range(start, total):
+        if spec.get("step_sleep"):
+            time.sleep(spec["step_sleep"])
+        acc: dict[str, float] = {}
+        for mb in plan.micro_batches(step, rank):
+            loss, met, ntok = step_loss(engine, spec, [records[i] for i in mb], pad_id)
+            engine.backward(loss)
+            engine.step()
+            tokens_done += ntok
+            for k, v in met.items():
+                acc[k] = acc.get(k, 0.0) + float(v.float().mean()) / len(plan.micro_batches(step, rank))
+        history.append({"step": step + 1, "samples": plan.batch(step), "lr": sched.get_last_lr()[0], **acc})
+        if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
+            print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items()), flush=True)
+        if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
+            tag = f"step-{step + 1}"
+            local = Path(spec["work_dir"]) / "ckpt-out"
+            engine.save_checkpoint(str(local), tag=tag, client_state={
+                "step": step + 1, "history": history, "rng": torch.get_rng_state().tolist()}, save_latest=False)
+            dist.barrier()
+            if rank == 0:
+                uri = checkpoints.upload(local / tag, spec["ckpt_uri"], tag, spec["fingerprint"],
+                                         {"step": step + 1}, spec.get("storage_options"))
+                print(f"checkpoint {uri}", flush=True)
+            dist.barrier()
+    train_s = time.time() - t0
+    tok = torch.tensor([tokens_done], dtype=torch.float64)
+    dist.all_reduce(tok)
+    final = evaluate(engine, spec, records, rank, world, pad_id) if spec["method"] != "sft" else {}
+    extra = {"reward_mean": final["reward_mean"], "reward_std": final["reward_std"]} if spec["method"] == "rm" else {}
+    save_final(engine, spec, rank, extra)
+    if rank == 0:
+        seen = [i for h in history for i in h["samples"]]
+        result = {"steps_done": len(history) and history[-1]["step"], "planned_steps": total, "samples_seen": len(seen),
+                  "resumed_from_step": start, "tokens_per_s": float(tok[0]) / max(train_s, 1e-9) if total > start else 0.0,
+                  "train_seconds": train_s, "history": history, **final}
+        for k in ("loss", "reward_margin", "accuracy", "reward_accuracy"):
+            if history and k in history[0]:
+                result[f"first_{k}"], result[f"last_{k}"] = history[0][k], history[-1][k]
+        (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(result))
+        print(f"done: {result['steps_done']}/{total} steps, {result['samples_seen']} samples", flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])

@@ -1,0 +1,95 @@
+"""Stage `eval`: how good is a policy? Sample it on held-out prompts and score the samples with the reward
+model and, when the task has one, a gold reward function (the demo's exact sentiment score).
+
+The loop flows run it on the initial policy (iteration 0) and after every iteration; its metrics feed the
+per-iteration table, the plot and the `stop_when_gain_below` condition. It reuses the generate and score
+machinery (rlhf_core.generation / rlhf_core.rewards) in-process by default: eval sets are small.
+
+    rlhf-flows stage eval policy_uri=... prompts_uri=... reward_model_uri=... output_uri=...
+"""
+from __future__ import annotations
+
+import statistics
+
+import pyarrow as pa
+from pydantic import Field
+
+from rlhf_core import store
+from rlhf_core.generation import EngineSpec, SamplingSpec, generate, model_input
+from rlhf_core.rewards import RewardSpec, compute_rewards
+from stages.common import StageConfig, stage_task
+
+
+class Config(StageConfig):
+    policy_uri: str = Field(description="Policy to evaluate (model artifact or local HF folder).")
+    prompts_uri: str = Field(description="Committed `prompts` artifact of held-out prompts.")
+    reward_model_uri: str | None = Field(None, description="Reward model scoring the samples.")
+    gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func(queries, prompts, labels).")
+    prompt_template: str | None = Field(None, description="Applied to each prompt, e.g. '{prompt} <rm_score>: 1.00 ' "
+                                        "(conditional SFT evaluates under its high-reward condition).")
+    samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (more = less noisy means).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(32, ge=1)
+    seed: int = Field(1234, description="Same seed every evaluation, so iterations are compared on equal draws.")
+    backend: str = Field("hf", description="'hf' or 'vllm'.")
+    num_engines: int = Field(0, ge=0, description="Ray engines (0 = in this process).")
+    runtime_fields = StageConfig.runtime_fields | {"num_engines"}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def run(cfg: Config) -> store.Manifest:
+    from transformers import AutoTokenizer
+
+    if not cfg.reward_model_uri and not cfg.gold_reward_file:
+        raise ValueError("eval needs reward_model_uri or gold_reward_file (or both)")
+    policy_dir, policy_m = model_input(cfg.policy_uri, cfg.storage_options)
+    prompts_m = store.read_manifest(cfg.prompts_uri, stage="prepare", storage_options=cfg.storage_options)
+    inputs = {"policy": policy_m, "prompts": prompts_m}
+    if cfg.reward_model_uri:
+        inputs["reward_model"] = model_input(cfg.reward_model_uri, cfg.storage_options)[1]
+    if cfg.gold_reward_file:
+        inputs["gold_reward"] = store.source_manifest(cfg.gold_reward_file, cfg.storage_options)
+    w = store.ArtifactWriter(cfg.output_uri, "eval", cfg.semantic(), inputs, cfg.storage_options)
+    if (done := w.existing()):
+        return done
+
+    rows = store.read_table(cfg.prompts_uri, storage_options=cfg.storage_options).to_pylist()
+    if cfg.prompt_template:
+        if "{prompt}" not in cfg.prompt_template:
+            raise ValueError(f"eval prompt_template {cfg.prompt_template!r} has no {{prompt}} placeholder")
+        rows = [{**r, "prompt": cfg.prompt_template.replace("{prompt}", r["prompt"])} for r in rows]
+    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
+    params = SamplingSpec(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
+                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    outs = generate(str(policy_dir), ids, params, cfg.backend, cfg.num_engines,
+                    engine=EngineSpec(max_model_len=max(map(len, ids)) + cfg.max_new_tokens), logprobs=False)
+    samples = [{"prompt": r["prompt"], "sample_index": j, "response": o["response"], "label": r.get("label"),
+                "response_tokens": o["response_tokens"]} for r, os_ in zip(rows, outs) for j, o in enumerate(os_)]
+    prompts, responses = [s["prompt"] for s in samples], [s["response"] for s in samples]
+    labels = [s["label"] for s in samples]
+    metrics = {"samples": len(samples), "response_tokens_mean": _mean([s["response_tokens"] for s in samples])}
+    if cfg.reward_model_uri:
+        rm_dir = str(model_input(cfg.reward_model_uri, cfg.storage_options)[0])
+        rm = compute_rewards(RewardSpec(model=rm_dir, storage_options=cfg.storage_options), prompts, responses, labels)
+        for s, r in zip(samples, rm.rewards):
+            s["rm_reward"] = r
+        metrics["rm_reward"] = _mean(rm.rewards)
+    if cfg.gold_reward_file:
+        gold = compute_rewards(RewardSpec(func_path=cfg.gold_reward_file, storage_options=cfg.storage_options),
+                               prompts, responses, labels)
+        for s, r in zip(samples, gold.rewards):
+            s["gold_reward"] = r
+        metrics["gold_reward"] = _mean(gold.rewards)
+        metrics["gold_reward_std"] = statistics.pstdev(gold.rewards)
+
+    w.begin()
+    w.write_table("eval.parquet", pa.Table.from_pylist(samples))
+    return w.commit(metrics=metrics)
+
+
+task = stage_task("eval", run)

@@ -1,0 +1,102 @@
+"""score: add a reward to every sample -> a `scored` artifact.
+
+OpenRLHF's batch_inference `--eval_task rm` (and `--remote_rm_url`) as a stage. The reward comes from one
+source (rlhf_core.rewards): a reward model (sequence classifier or OpenRLHF value head, batched by length on
+`num_engines` Ray actors, normalised by the mean/std in its config), a Python file with OpenRLHF's
+`reward_func(queries, prompts, labels)`, or a remote reward server (OpenRLHF serve_rm shape). Rewards must
+be finite. Note: a remote server's model is outside the fingerprint; only its URL enters it.
+
+    rlhf-flows stage score --config configs/tiny.yaml samples_uri=... reward_model_uri=...
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from pydantic import Field, model_validator
+
+from rlhf_core import data, store
+from rlhf_core.generation import model_input
+from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
+from stages.common import StageConfig, stage_task
+
+
+class Config(StageConfig):
+    samples_uri: str = Field(description="Committed `samples` artifact (from generate).")
+    reward_model_uri: str | None = Field(None, description="Reward model: committed artifact or local HF folder.")
+    reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels).")
+    remote_rm_url: str | None = Field(None, description="HTTP reward server (POST query/prompts/labels -> rewards).")
+    value_head_prefix: str = Field("value_head", description="OpenRLHF value-head weight name in the reward model.")
+    normalize_reward: bool = Field(True, description="Apply reward_mean/reward_std from the reward model's config.")
+    max_len: int = Field(2048, ge=2, description="Max tokens of prompt + response scored by the reward model.")
+    append_eos: bool = Field(True, description="Append EOS before scoring with the reward model (as OpenRLHF does).")
+    dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32.")
+    # runtime only: not in the fingerprint
+    num_engines: int = Field(1, ge=0, description="Ray actors for the reward model (0 = in this process, no Ray).")
+    ray_address: str | None = Field(None, description="Join this Ray cluster; default: a local Ray for the stage.")
+    batch_size: int = Field(64, ge=1, description="Rows per forward pass / reward_func call / HTTP request.")
+    timeout_s: float = Field(30.0, gt=0, description="Remote reward server: seconds per request.")
+    retries: int = Field(3, ge=1, description="Remote reward server: attempts per request.")
+
+    runtime_fields = StageConfig.runtime_fields | {"num_engines", "ray_address", "batch_size", "timeout_s", "retries"}
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("reward_model_uri", "reward_func_path", "remote_rm_url") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of reward_model_uri, reward_func_path, remote_rm_url (got {given or 'none'})")
+        return self
+
+
+def run(cfg: Config) -> store.Manifest:
+    # 1. inputs, checked before any work
+    samples_m = store.read_manifest(cfg.samples_uri, storage_options=cfg.storage_options)
+    table = store.read_table(cfg.samples_uri, storage_options=cfg.storage_options)
+    data.validate_table(table, "samples", cfg.samples_uri)
+    rows = table.to_pylist()
+    if not rows:
+        raise data.DataError(f"{cfg.samples_uri}: no samples to score")
+    inputs = {"samples": samples_m}
+    model = None
+    if cfg.reward_model_uri:
+        rm_dir, inputs["reward_model"] = model_input(cfg.reward_model_uri, cfg.storage_options)
+        check_reward_model(rm_dir, cfg.value_head_prefix)
+        model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
+    elif cfg.reward_func_path:
+        load_reward_func(cfg.reward_func_path, cfg.storage_options)  # exists and defines reward_func
+        inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
+
+    # 2. same inputs and config as a committed output: nothing to do
+    w = store.ArtifactWriter(cfg.output_uri, "score", cfg.semantic(), inputs, cfg.storage_options)
+    if (done := w.existing()):
+        return done
+    w.begin()
+
+    # 3. score
+    spec = RewardSpec(model=model, func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
+                      value_head_prefix=cfg.value_head_prefix, normalize=cfg.normalize_reward, max_len=cfg.max_len,
+                      append_eos=cfg.append_eos, batch_size=cfg.batch_size, dtype=cfg.dtype, timeout_s=cfg.timeout_s,
+                      retries=cfg.retries, storage_options=cfg.storage_options)
+    t0 = time.perf_counter()
+    out = compute_rewards(spec, [r["prompt"] for r in rows], [r["response"] for r in rows],
+                          [r.get("label") for r in rows], cfg.num_engines, cfg.ray_address)
+    seconds = time.perf_counter() - t0
+
+    # 4. write scored rows, commit
+    for k, r in enumerate(rows):
+        r["reward"] = out.rewards[k]
+        r["score"] = out.scores[k] if out.scores is not None else None
+    w.write_table("scored.parquet", data.to_table(rows, "scored"))
+    rw = out.rewards
+    mean = sum(rw) / len(rw)
+    std = math.sqrt(sum((x - mean) ** 2 for x in rw) / len(rw))
+    tokens = sum((r.get("prompt_tokens") or 0) + (r.get("response_tokens") or 0) for r in rows)
+    return w.commit(metrics={
+        "rows": len(rows), "reward_mean": mean, "reward_std": std, "reward_min": min(rw), "reward_max": max(rw),
+        "score_seconds": seconds, "rows_per_s": len(rows) / seconds if seconds > 0 else None,
+        "tokens_per_s": tokens / seconds if seconds > 0 and tokens else None,
+        "source": "reward_model" if cfg.reward_model_uri else "reward_func" if cfg.reward_func_path else "remote",
+        **{f"extra/{k}": v for k, v in out.extra_logs.items()}})
+
+
+task = stage_task("score", run)

@@ -1,0 +1,51 @@
+"""Reward-model training as a DeepSpeed job: Bradley-Terry pairwise loss -log sigmoid(r_c - r_r - margin)
+(or OpenRLHF's log-exp variant) on a scalar head read at each sequence's last token. After training the
+reward mean and std over the training set go into config.json (`reward_mean`, `reward_std`) so the score
+stage can normalise. Input: pairs (prompt, chosen, rejected) from an artifact or raw OpenRLHF sources.
+
+    rlhf-flows stage train_rm --config configs/demo.yaml base_uri=... dataset_uri=... output_uri=...
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from rlhf_core import data, store
+from rlhf_core.train import batches
+from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
+from stages.common import StageConfig, stage_task
+
+
+class Config(StageConfig, TrainFields):
+    base_uri: str = Field(description="Committed model to start from (a reward model or a causal LM; the head is new then).")
+    prompt_key: str | None = Field("prompt", description="Prompt key of raw rows.")
+    chosen_key: str = Field("chosen", description="Chosen-response key of raw rows.")
+    rejected_key: str = Field("rejected", description="Rejected-response key of raw rows.")
+    loss: Literal["sigmoid", "logexp"] = Field("sigmoid", description="Pairwise loss (OpenRLHF PairWiseLoss / LogExpLoss).")
+    use_margin: bool = Field(False, description="Subtract the rows' `margin` column inside the sigmoid (Llama-2).")
+
+    runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
+
+
+def run(cfg: Config) -> store.Manifest:
+    check_hardware(cfg)
+    base = store.read_manifest(cfg.base_uri, storage_options=cfg.storage_options)
+    w = store.ArtifactWriter(cfg.output_uri, "train_rm", cfg.semantic(), {"base": base, **input_manifests(cfg)},
+                             cfg.storage_options)
+    if (done := w.existing()):
+        return done
+    from transformers import AutoTokenizer
+
+    model_dir = store.fetch_model(cfg.base_uri, cfg.storage_options)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    fmt = data.Format(prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
+                      apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template)
+    rows = load_rows(cfg, "pairs", fmt, tok)
+    records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri,
+                                          extra=("margin",) if cfg.use_margin else ())
+    return train_and_commit(cfg, w, "rm", records, model_dir, tok, {"loss": cfg.loss, "use_margin": cfg.use_margin},
+                            {"rows": len(records), "truncated": cut})
+
+
+task = stage_task("train_rm", run)
