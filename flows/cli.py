@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +32,23 @@ def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
     mod = _flow_module(flow)
     params = load_config(mod.Params, config, overrides)
     report = mod.FLOW(params)
-    print(json.dumps(report, indent=2, default=str) if isinstance(report, dict) else report)
+    print(format_report(report))
     return 0
+
+
+def format_report(rep: dict) -> str:
+    """The per-iteration table the loop flows also publish as a Prefect table artifact."""
+    rows = rep.get("iterations", [])
+    cols = [c for c in ("iteration", "samples", "kept", "ties_dropped", "train_rm_reward", "rm_reward", "gold_reward",
+                        "dpo_loss", "dpo_reward_margin", "sft_loss") if any(c in r for r in rows)]
+    cols += sorted({c for r in rows for c in r if c.endswith("_s")})
+    fmt = lambda v: "" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    width = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
+    lines = [f"{rep.get('flow')} run {rep.get('run')}: {rep.get('stop_reason')} ({rep.get('wall_s')} s)",
+             "  ".join(c.rjust(width[c]) for c in cols)]
+    lines += ["  ".join(fmt(r.get(c)).rjust(width[c]) for c in cols) for r in rows]
+    lines += [f"report: {rep.get('run')}/report.json   plot: {rep.get('run')}/reward.png"]
+    return "\n".join(lines)
 
 
 def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
@@ -117,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("show", help="print an artifact's manifest and lineage, or a run's iterations")
     sh.add_argument("uri")
     a = p.parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry calls from a closed network
     from stages.common import ConfigError
 
     try:

@@ -114,7 +114,7 @@ class Report:
         self.flow, self.run_uri, self.storage_options = flow, store.join(root, run_name), storage_options
         self.rows: list[dict] = []
         self.links: dict[str, str] = {}
-        self.stop_reason = "completed all iterations"
+        self.stop_reason = "running"
         self.started = time.time()
         self.eval_cfg: dict = {}
 
@@ -122,6 +122,11 @@ class Report:
         self.rows.append(row)
         self.links.update(links or {})
         self.publish()
+
+    def finish(self) -> dict:
+        if self.stop_reason == "running":
+            self.stop_reason = "completed all iterations"
+        return self.publish()
 
     def publish(self) -> dict:
         rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
@@ -144,6 +149,7 @@ class Report:
             pts = [(r["iteration"], r[key]) for r in self.rows if r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xticks([r["iteration"] for r in self.rows])
         ax.set_xlabel("iteration (0 = before RLHF)")
         ax.set_ylabel("mean reward")
         ax.set_title(f"{self.flow}: {self.run_uri.rsplit('/', 1)[-1]}")
@@ -244,7 +250,7 @@ def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
     stage_config(_stage("filter"), {"method": "rs", **p.filter}, scored_uri=x, output_uri=x)
     stage_config(_stage("eval"), p.eval, policy_uri=x, prompts_uri=x, reward_model_uri=x, output_uri=x)
     stage_config(_stage("sft"), p.sft, policy_uri=x, dataset_uri=x, output_uri=x)
-    stage_config(_stage("train_rm"), p.train_rm, policy_uri=x, dataset_uri=x, output_uri=x)
+    stage_config(_stage("train_rm"), p.train_rm, base_uri=x, dataset_uri=x, output_uri=x)
     for module, base in (checks or {}).items():
         stage_config(module, base, **{f: x for f, info in module.Config.model_fields.items()
                                       if f.endswith("_uri") and info.is_required()})
@@ -288,7 +294,7 @@ def prepare_inputs(p: LoopParams, run: dict):
     else:
         rm = _stage("train_rm")
         base = p.reward_base_uri or d.get("reward_base") or p.pretrain_uri
-        reward = {"reward_model_uri": call(rm.task, stage_config(rm, p.train_rm, policy_uri=base, dataset_uri=pref_data,
+        reward = {"reward_model_uri": call(rm.task, stage_config(rm, p.train_rm, base_uri=base, dataset_uri=pref_data,
                                                                  output_uri=at("reward_model"), storage_options=so))["uri"]}
     report.links.update({"prompts": prompts["uri"], **({"reward_model": reward.get("reward_model_uri")}
                                                        if reward.get("reward_model_uri") else {})})
@@ -341,7 +347,9 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
     for name in ("dpo", "sft"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]
-            row.update({f"{name}_{key}": tm[key] for key in ("loss", "reward_margin", "reward_accuracy", "steps") if key in tm})
+            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy")
+                        if f"final_{key}" in tm})
+            row[f"{name}_steps"] = tm.get("steps_done")
     if report.eval_cfg.get("prompts_uri") and (report.eval_cfg.get("reward_model_uri") or report.eval_cfg.get("gold_reward_file")):
         ev = _stage("eval")
         em = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),

@@ -53,7 +53,7 @@ def conditional_sft(params: Params) -> dict:
             if (why := common.converged(p, report)):
                 report.stop_reason = why
                 break
-    return report.publish()
+    return report.finish()
 
 
 FLOW = conditional_sft

@@ -53,18 +53,18 @@ def iterative_dpo(params: Params) -> dict:
                                                    output_uri=at("score"), storage_options=p.storage_options))
             pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"}, scored_uri=scored["uri"],
                                                          output_uri=at("pairs"), storage_options=p.storage_options))
-            pairs = call(reference.task, stage_config(reference, p.reference, pairs_uri=pairs["uri"], ref_uri=ref,
-                                                      output_uri=at("reference"), storage_options=p.storage_options))
-            trained = call(dpo.task, stage_config(dpo, p.dpo, pairs_uri=pairs["uri"], policy_uri=policy,
+            with_ref = call(reference.task, stage_config(reference, p.reference, pairs_uri=pairs["uri"], ref_uri=ref,
+                                                         output_uri=at("reference"), storage_options=p.storage_options))
+            trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
                                                   output_uri=at("dpo"), storage_options=p.storage_options))
             policy = trained["uri"]
             if p.ref_policy == "previous":
                 ref = policy
-            common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, pairs, trained])
+            common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, pairs, with_ref, trained])
             if (why := common.converged(p, report)):
                 report.stop_reason = why
                 break
-    return report.publish()
+    return report.finish()
 
 
 FLOW = iterative_dpo

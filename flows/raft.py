@@ -48,7 +48,7 @@ def raft(params: Params) -> dict:
             if (why := common.converged(p, report)):
                 report.stop_reason = why
                 break
-    return report.publish()
+    return report.finish()
 
 
 FLOW = raft

@@ -52,11 +52,12 @@ def split_things(seed: int = 0) -> tuple[list[str], list[str]]:
 
 
 def prompts(n: int, seed: int = 0, held_out: bool = False) -> list[dict]:
-    """`n` prompt rows ({"input": ...}) cycling over the train (or held-out) things."""
+    """`n` distinct prompt rows ({"input": ...}) over the train (or held-out) things. Distinct texts matter:
+    the filters group samples by prompt."""
     train, test = split_things(seed)
     pool = test if held_out else train
     rng = random.Random(seed + (1 if held_out else 2))
-    return [{"input": prompt_for(rng.choice(pool))} for _ in range(n)]
+    return [{"input": f"#{i} " + prompt_for(rng.choice(pool))} for i in range(n)]
 
 
 def sft_rows(n: int, seed: int = 0) -> list[dict]:

@@ -131,11 +131,11 @@ class BatchPlan:
 class Batch:
     """Sequences as rows (padded, R = n) or packed into one row (R = 1).
     input_ids, position_ids, target_mask, segment: # (R, T); segment = sample index, n for padding;
-    last: # (n, 2) (row, column) of each sample's last token; attention_mask None when packed."""
+    last: # (n, 2) (row, column) of each sample's last token; attention_mask # (R, T), or # (1, 1, T, T) when packed."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
+    attention_mask: torch.Tensor
     target_mask: torch.Tensor
     segment: torch.Tensor
     last: torch.Tensor
@@ -157,7 +157,11 @@ def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool 
         tgt = [int(p >= max(st, 1)) for s, st in zip(seqs, starts) for p in range(len(s))]
         ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
         t = lambda x: torch.tensor([x])  # noqa: E731
-        return Batch(t(ids), t(pos), None, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n)
+        # Block-diagonal causal mask # (1, 1, T, T), True = may attend. Position ids alone do not stop
+        # attention crossing samples with SDPA/eager (measured: transformers 5.19), so the mask is explicit.
+        sg, ar = torch.tensor(seg), torch.arange(len(ids))
+        att = ((sg[:, None] == sg[None, :]) & (ar[:, None] >= ar[None, :]))[None, None]
+        return Batch(t(ids), t(pos), att, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n)
     T = max(len(s) for s in seqs)
     ids = torch.full((n, T), pad_id)
     att = torch.zeros((n, T), dtype=torch.long)

@@ -71,7 +71,7 @@ def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
     dev = engine.device
     ids, pos = b.input_ids.to(dev), b.position_ids.to(dev)
-    att = b.attention_mask.to(dev) if b.attention_mask is not None else None
+    att = b.attention_mask.to(dev)
     model = engine.module
     if spec["method"] == "rm":
         core = model.get_base_model() if hasattr(model, "get_base_model") else model

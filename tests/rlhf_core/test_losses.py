@@ -1,0 +1,88 @@
+"""Losses against hand-computed values (arithmetic in each docstring)."""
+import math
+
+import pytest
+import torch
+
+from rlhf_core import losses
+
+
+def t(*v):
+    return torch.tensor(v, dtype=torch.float64)
+
+
+def test_reduce_tokens_token_vs_sequence():
+    """values [[1,2],[3,0]], mask [[1,1],[1,0]]: token = (1+2+3)/3 = 2; sequence = (1.5 + 3)/2 = 2.25."""
+    v, m = torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[1, 1], [1, 0]])
+    assert losses.reduce_tokens(v, m, "token").item() == pytest.approx(2.0)
+    assert losses.reduce_tokens(v, m, "sequence").item() == pytest.approx(2.25)
+    with pytest.raises(ValueError, match="unknown reduction"):
+        losses.reduce_tokens(v, m, "batch")
+
+
+def test_token_logprobs_and_sequence_sum():
+    """Uniform logits over V=4: every log-prob is log(1/4); 2 masked response tokens sum to 2 log(1/4)."""
+    logits = torch.zeros(1, 3, 4)
+    ids = torch.tensor([[0, 1, 2]])
+    lp = losses.token_logprobs(logits, ids)
+    assert lp.shape == (1, 2)
+    assert torch.allclose(lp, torch.full((1, 2), math.log(0.25)))
+    assert losses.sequence_logps(lp, torch.tensor([[1, 1]])).item() == pytest.approx(2 * math.log(0.25))
+    # a peaked logit: logits [0, ln 3, 0, 0] -> p(token 1) = 3/6 = 0.5
+    logits2 = torch.zeros(1, 2, 4)
+    logits2[0, 0, 1] = math.log(3)
+    assert losses.token_logprobs(logits2, torch.tensor([[0, 1]])).item() == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+def test_sft_loss_masks_prompt():
+    """logps [[-1,-2,-3]], mask [[0,1,1]] -> NLL mean over masked = (2+3)/2 = 2.5."""
+    out = losses.sft_loss(t(-1, -2, -3).unsqueeze(0), torch.tensor([[0, 1, 1]]))
+    assert out.losses.item() == pytest.approx(2.5)
+    assert out.metrics["tokens"].item() == 2
+
+
+def test_pairwise_rm_loss():
+    """r_c=2, r_r=1: -log sigmoid(1) = log(1+e^-1) = 0.313262; margin 1: -log sigmoid(0) = log 2;
+    r_c=0, r_r=1: accuracy 0, loss log(1+e^1) = 1.313262. logexp equals sigmoid without margin."""
+    out = losses.pairwise_rm_loss(t(2, 0), t(1, 1))
+    assert out.losses.tolist() == pytest.approx([0.313262, 1.313262], abs=1e-6)
+    assert out.metrics["accuracy"].tolist() == [1.0, 0.0]
+    assert out.metrics["reward_margin"].tolist() == [1.0, -1.0]
+    with_margin = losses.pairwise_rm_loss(t(2), t(1), margin=t(1))
+    assert with_margin.losses.item() == pytest.approx(math.log(2))
+    assert losses.pairwise_rm_loss(t(2, 0), t(1, 1), kind="logexp").losses.tolist() == pytest.approx([0.313262, 1.313262], abs=1e-6)
+    with pytest.raises(ValueError, match="unknown reward-model loss"):
+        losses.pairwise_rm_loss(t(1), t(0), kind="hinge")
+
+
+def test_dpo_sigmoid_ipo_cdpo():
+    """pc=-1, pr=-3, rc=-2, rr=-2, beta=0.5: h = (-1+3) - 0 = 2, beta h = 1.
+    sigmoid: -log sigmoid(1) = 0.313262; cDPO eps=0.1: 0.9*0.313262 + 0.1*1.313262 = 0.413262;
+    ipo: (2 - 1/(2*0.5))^2 = 1; rewards 0.5*(-1+2) = 0.5 and 0.5*(-3+2) = -0.5, margin 1, accuracy 1."""
+    args = (t(-1), t(-3), t(-2), t(-2))
+    s = losses.dpo_loss(*args, beta=0.5)
+    assert s.losses.item() == pytest.approx(0.313262, abs=1e-6)
+    assert s.metrics["chosen_reward"].item() == pytest.approx(0.5)
+    assert s.metrics["rejected_reward"].item() == pytest.approx(-0.5)
+    assert s.metrics["reward_margin"].item() == pytest.approx(1.0)
+    assert s.metrics["reward_accuracy"].item() == 1.0
+    assert losses.dpo_loss(*args, beta=0.5, label_smoothing=0.1).losses.item() == pytest.approx(0.413262, abs=1e-6)
+    assert losses.dpo_loss(*args, beta=0.5, loss_type="ipo").losses.item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        losses.dpo_loss(*args, beta=0.0)
+    with pytest.raises(ValueError, match="unknown DPO loss type"):
+        losses.dpo_loss(*args, beta=0.5, loss_type="kto")
+
+
+def test_dpo_gradient_flows_only_through_policy():
+    pc = torch.tensor([-1.0], requires_grad=True)
+    out = losses.dpo_loss(pc, torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5)
+    out.losses.sum().backward()
+    # d/dpc -log sigmoid(beta h) = -beta * (1 - sigmoid(1)) = -0.5 * 0.268941 = -0.134471
+    assert pc.grad.item() == pytest.approx(-0.134471, abs=1e-6)
+    assert not out.metrics["chosen_reward"].requires_grad
+
+
+def test_nll_per_token():
+    """sum logp -6 over 3 tokens -> 2.0."""
+    assert losses.nll_per_token(t(-6), torch.tensor([3])).item() == pytest.approx(2.0)
