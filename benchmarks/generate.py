@@ -35,7 +35,7 @@ def bare_loop(model, tok, texts, n, max_new, batch) -> int:
     for s in range(0, len(texts), batch):
         enc = tok(texts[s:s + batch], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=max_new,
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
                                  num_return_sequences=n, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         new = out[:, enc["input_ids"].shape[1]:]
         for row in new.tolist():
@@ -115,6 +115,7 @@ def main() -> None:
             part_bare(str(policy))
         if args.part in ("all", "vllm"):
             part_vllm(str(policy))
+            os._exit(0)  # an in-process vLLM engine core can keep the interpreter from exiting
 
 
 if __name__ == "__main__":  # vLLM spawns processes

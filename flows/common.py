@@ -153,7 +153,8 @@ class Report:
         ax.set_xlabel("iteration (0 = before RLHF)")
         ax.set_ylabel("mean reward")
         ax.set_title(f"{self.flow}: {self.run_uri.rsplit('/', 1)[-1]}")
-        ax.legend()
+        if ax.lines:
+            ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
         with fs.open(store.join(path, "reward.png"), "wb") as f:

@@ -118,7 +118,8 @@ class HFEngine:
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=True,
                 max_new_tokens=params.max_new_tokens, do_sample=not greedy, num_return_sequences=params.n,
                 temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
-                top_k=(params.top_k or None) if not greedy else None, repetition_penalty=params.repetition_penalty,
+                top_k=None if greedy else params.top_k,  # 0 = off (HF's default would be 50)
+                repetition_penalty=params.repetition_penalty,
                 pad_token_id=self.pad_id, eos_token_id=self.eos_id, return_dict_in_generate=True,
                 output_logits=logprobs)
             new = gen.sequences[:, width:].cpu()  # (B*n, L)

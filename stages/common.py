@@ -131,8 +131,17 @@ def stage_task(name: str, run: Callable, **options):
                 task_run_name=f"{name}", **options)(body)
 
 
+class StageFailed(RuntimeError):
+    """A stage failed inside a flow; names the stage and the artifact it was writing."""
+
+
 def call(stage_task_obj, cfg) -> dict:
     """Run a stage task. A Prefect cache hit is trusted only while the artifact's manifest still exists:
-    otherwise the cache is refreshed and the stage runs (and itself skips work if it can)."""
+    otherwise the cache is refreshed and the stage runs (and itself skips work if it can). A failure is
+    re-raised naming the stage and its output URI; nothing was committed there, so a rerun resumes."""
     alive = store.committed_any(cfg.output_uri, cfg.storage_options)
-    return stage_task_obj.with_options(refresh_cache=not alive)(cfg)
+    try:
+        return stage_task_obj.with_options(refresh_cache=not alive)(cfg)
+    except Exception as e:
+        raise StageFailed(f"stage {stage_task_obj.name!r} failed writing {cfg.output_uri}: "
+                          f"{type(e).__name__}: {store.redact(str(e), cfg.storage_options)}") from e

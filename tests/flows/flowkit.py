@@ -1,0 +1,46 @@
+"""Helpers for the flow tests (plain functions; fixtures live in conftest.py)."""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from pathlib import Path
+
+import yaml
+
+from rlhf_core import store
+
+DEMO = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
+
+
+def demo_params(**over) -> dict:
+    out = copy.deepcopy(DEMO)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def manifests(root: str) -> dict[str, store.Manifest]:
+    """Every committed artifact under a run folder, by path relative to it."""
+    fs, path = store.filesystem(root)
+    out = {}
+    for p in fs.find(path):
+        if p.endswith(store.MANIFEST):
+            rel = p[len(path.rstrip("/")) + 1: -len(store.MANIFEST) - 1]
+            out[rel] = store.read_manifest(root.rstrip("/") + "/" + rel)
+    return out
+
+
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process whose environment carries `marker` (what a test started, and its children)."""
+    killed = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (d / "environ").read_bytes():
+                os.kill(int(d.name), signal.SIGKILL)
+                killed.append(int(d.name))
+        except (OSError, PermissionError):
+            pass
+    return killed

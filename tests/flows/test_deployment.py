@@ -1,0 +1,72 @@
+"""Deployments for real: `prefect server start`, a process work pool and worker, `prefect deploy --all` from
+deployments/prefect.yaml, and `prefect deployment run 'iterative-dpo/demo'` to completion.
+The server and worker listen on 127.0.0.1, die with this process, and are stopped by pid."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlhf_core import demo_task, store
+from tests.conftest import die_with_parent, free_port, wait_for_port
+from tests.flows.flowkit import kill_marked
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_deploy_all_and_run_iterative_dpo_through_a_process_worker(demo_run, tmp_path):
+    bindir = Path(sys.executable).parent
+    port, marker = free_port(), uuid.uuid4().hex
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", RLHF_TEST_MARKER=marker)
+
+    def prefect(*args, timeout=300):
+        out = subprocess.run([str(bindir / "prefect"), "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=timeout)
+        assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        return out.stdout
+
+    procs = []
+    try:
+        procs.append(subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                      env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
+                                      preexec_fn=die_with_parent))
+        wait_for_port(port, procs[0], "prefect server", timeout=180)
+        prefect("work-pool", "create", "rlhf-cpu", "--type", "process")
+        prefect("work-pool", "create", "rlhf-gpu-docker", "--type", "docker")
+        out = prefect("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+        for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo", "iterative-dpo/gpu"):
+            assert f"Deployment '{name}' successfully created" in out, name
+        nightly = prefect("deployment", "inspect", "iterative-dpo/nightly")
+        assert "0 3 * * *" in nightly and "'active': False" in nightly  # scheduled retraining, paused by default
+
+        procs.append(subprocess.Popen([str(bindir / "prefect"), "worker", "start", "--pool", "rlhf-cpu", "--limit", "1"],
+                                      env=env, cwd=tmp_path, stdout=open(tmp_path / "worker.log", "w"),
+                                      stderr=subprocess.STDOUT, preexec_fn=die_with_parent))
+        params = {"demo": False, "root": str(tmp_path / "runs"), "run_name": "deployed", "iterations": 1,
+                  "pretrain_uri": demo_run.sft, "reward_uri": demo_run.reward, "sft": {}, "train_rm": {},
+                  "prompt_data": f"{demo_run.inputs}/prompts.jsonl",
+                  "eval_prompt_data": f"{demo_run.inputs}/eval_prompts.jsonl", "gold_reward_file": demo_task.__file__,
+                  "generate": {"num_engines": 0, "best_of_n": 2, "rollout_batch_size": 16, "max_new_tokens": 12},
+                  "eval": {"samples_per_prompt": 2, "max_new_tokens": 12},
+                  "dpo": {"max_len": 48, "micro_train_batch_size": 8, "train_batch_size": 8}, "reference": {"max_len": 48}}
+        out = prefect("deployment", "run", "iterative-dpo/demo", "--params", json.dumps({"params": params}),
+                      "--watch", "--watch-timeout", "900", timeout=960)
+        assert "Completed" in out, out[-2000:]
+        report = json.loads((tmp_path / "runs" / "deployed" / "report.json").read_text())
+        assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
+        assert store.committed_any(str(tmp_path / "runs" / "deployed" / "iter-1" / "dpo"))
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        kill_marked(marker)

@@ -1,0 +1,84 @@
+"""Crash and resume: SIGKILL the flow process during generation, then during DPO training; each rerun
+resumes where the last stopped, and artifacts committed before a kill are never redone (same fingerprint,
+same created_at). The flow runs as `rlhf-flows run` in a subprocess with its own Prefect home."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_core import demo_task, store
+from tests.flows.flowkit import demo_params, kill_marked, manifests
+
+pytestmark = pytest.mark.slow
+
+
+def _start(cfg: Path, tmp_path: Path, marker: str) -> subprocess.Popen:
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), RLHF_TEST_MARKER=marker,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)  # the harness's API belongs to the test process: use an ephemeral one
+    exe = Path(sys.executable).parent / "rlhf-flows"
+    return subprocess.Popen([str(exe), "run", "iterative-dpo", "--config", str(cfg)], env=env, start_new_session=True,
+                            stdout=open(tmp_path / f"run-{marker[-4:]}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _kill_when(proc: subprocess.Popen, ready, marker: str, what: str, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"flow exited ({proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kill_marked(marker)  # Ray and DeepSpeed processes it started live in other sessions
+
+
+def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
+    run = tmp_path / "runs" / "kill"
+    params = demo_params(demo=False, root=str(tmp_path / "runs"), run_name="kill", iterations=1,
+                         pretrain_uri=demo_run.sft, reward_uri=demo_run.reward,
+                         prompt_data=f"{demo_run.inputs}/prompts.jsonl",
+                         eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl", gold_reward_file=demo_task.__file__,
+                         sft={}, train_rm={},
+                         dpo={"save_steps": 1, "debug_step_sleep": 1.0})  # slow steps so the kill lands mid-training
+    cfg = tmp_path / "kill.yaml"
+    cfg.write_text(yaml.safe_dump(params))
+
+    # 1. killed while generating: the generate prefix exists but holds no manifest
+    marker = uuid.uuid4().hex
+    proc = _start(cfg, tmp_path, marker)
+    gen = run / "iter-1" / "generate"
+    _kill_when(proc, lambda: gen.is_dir() and not (gen / store.MANIFEST).exists(), marker, "generation")
+    first = manifests(str(run))
+    assert "prompts" in first and "iter-1/generate" not in first
+
+    # 2. rerun, killed during DPO once a checkpoint is on the store
+    marker = uuid.uuid4().hex
+    proc = _start(cfg, tmp_path, marker)
+    ckpt = run / "iter-1" / "dpo" / "checkpoints"
+    _kill_when(proc, lambda: ckpt.is_dir() and any(ckpt.rglob("*")) and not (ckpt.parent / store.MANIFEST).exists(),
+               marker, "a DPO checkpoint")
+    second = manifests(str(run))
+    for k, m in first.items():
+        assert (second[k].fingerprint, second[k].created_at) == (m.fingerprint, m.created_at), k
+    assert {"iter-1/generate", "iter-1/score", "iter-1/pairs", "iter-1/reference"} <= set(second)
+    assert "iter-1/dpo" not in second  # a killed training stage is never committed
+
+    # 3. rerun to the end: DPO continues from its checkpoint; nothing before it is redone
+    marker = uuid.uuid4().hex
+    proc = _start(cfg, tmp_path, marker)
+    assert proc.wait(timeout=900) == 0, (tmp_path / f"run-{marker[-4:]}.log").read_text()[-3000:]
+    kill_marked(marker)
+    third = manifests(str(run))
+    for k, m in second.items():
+        assert (third[k].fingerprint, third[k].created_at) == (m.fingerprint, m.created_at), k
+    dpo = third["iter-1/dpo"].metrics
+    assert dpo["resumed_from_step"] >= 1 and dpo["steps_done"] == dpo["planned_steps"]
+    assert "iter-1/eval" in third and not (run / "_LOCK.json").exists()

