@@ -74,7 +74,7 @@ def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tai
     Raises JobFailed on a non-zero exit; kills the child's process group on any exception here."""
     log.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, env=env, cwd=cwd)
+                            start_new_session=True, env=env, cwd=cwd, preexec_fn=_die_with_parent)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     try:
         assert proc.stdout is not None
@@ -91,6 +91,18 @@ def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tai
     if rc != 0:
         raise JobFailed(cmd, rc, list(tail))
     return list(tail)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the parent dies. A SIGKILLed flow process cannot run its except-branch,
+    and the launcher lives in its own session; this stops it training on as an orphan (DeepSpeed's launcher
+    passes SIGTERM on to its ranks)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux
+        pass
 
 
 def kill_group(proc: subprocess.Popen) -> None:

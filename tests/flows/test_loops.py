@@ -41,9 +41,10 @@ def test_iterative_dpo_publishes_prefect_artifacts(demo_run):
     with get_client(sync_client=True) as client:
         table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-iterations"])))
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-report"])))
-    rows = json.loads(table[0].data) if isinstance(table[0].data, str) else table[0].data
+    latest = max(table, key=lambda a: a.created)  # one version per publish: the last holds every iteration
+    rows = json.loads(latest.data) if isinstance(latest.data, str) else latest.data
     assert [r["iteration"] for r in rows] == [0, 1, 2] and all("gold_reward" in r for r in rows)
-    assert f"{demo_run.run}/iter-2/dpo" in report[0].data
+    assert f"{demo_run.run}/iter-2/dpo" in max(report, key=lambda a: a.created).data
 
 
 def test_rerun_resumes_without_redoing_anything(demo_run):
