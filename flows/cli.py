@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("uri")
     a = p.parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry calls from a closed network
+    # Prefect's local API migrates a fresh database on its first start: 20 s (its default limit) is too
+    # tight on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from stages.common import ConfigError
 
     try:

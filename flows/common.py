@@ -18,9 +18,21 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlhf_core import store
-from stages.common import ConfigError, call  # noqa: F401  (re-exported for flows)
+from stages.common import ConfigError, call as run_stage
 
 LOCK = "_LOCK.json"
+_progress: dict = {}  # the running flow's Prefect progress artifact: {"id", "done", "total"}
+
+
+def call(stage_task_obj, cfg) -> dict:
+    """Run one stage (stages.common.call) and advance the flow's progress artifact."""
+    out = run_stage(stage_task_obj, cfg)
+    if _progress.get("id"):
+        from prefect.artifacts import update_progress_artifact
+
+        _progress["done"] += 1
+        update_progress_artifact(_progress["id"], progress=min(100.0, 100.0 * _progress["done"] / _progress["total"]))
+    return out
 
 
 class FlowParams(BaseModel):
@@ -110,8 +122,17 @@ def _pid_alive(pid) -> bool:
 class Report:
     """Per-iteration numbers: a Prefect table + markdown artifact, a PNG plot and report.json in the run."""
 
-    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None):
+    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None, stages: int = 0):
         self.flow, self.run_uri, self.storage_options = flow, store.join(root, run_name), storage_options
+        _progress.clear()
+        if stages:  # a progress bar in the UI: stage calls done / planned
+            from prefect.artifacts import create_progress_artifact
+            from prefect.context import FlowRunContext
+
+            if FlowRunContext.get() is not None:
+                _progress.update(id=create_progress_artifact(0.0, key=f"{flow}-progress", description=
+                                                             f"{flow}: stages done of {stages} planned"),
+                                 done=0, total=stages)
         self.rows: list[dict] = []
         self.links: dict[str, str] = {}
         self.stop_reason = "running"
@@ -126,10 +147,18 @@ class Report:
     def finish(self) -> dict:
         if self.stop_reason == "running":
             self.stop_reason = "completed all iterations"
+        if _progress.get("id"):  # an early stop skips planned stages
+            from prefect.artifacts import update_progress_artifact
+
+            update_progress_artifact(_progress["id"], progress=100.0)
         return self.publish()
 
     def publish(self) -> dict:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
         rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
+               "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
                "artifacts": self.links, "wall_s": round(time.time() - self.started, 2)}
         fs, path = store.filesystem(self.run_uri, self.storage_options)
         with fs.open(store.join(path, "report.json"), "w") as f:
@@ -241,9 +270,15 @@ def _stage(name: str):
 
 
 def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
-    """Before any work: the store answers, and every stage config the flow will build is valid (errors name
-    `stage.field`). Placeholder URIs stand in for the ones the loop wires in."""
+    """Before any work: the store answers and every stage config is valid."""
     store.check_reachable(p.root, p.storage_options)
+    validate(p, flow_name, checks)
+    return {"flow": flow_name}
+
+
+def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
+    """Every stage config the flow will build is valid (errors name `stage.field`); placeholder URIs stand
+    in for the ones the loop wires in. `checks`: the flow's own stages -> their settings."""
     x = "placeholder://"
     stage_config(_stage("prepare"), {"kind": "prompts", **p.prepare}, data=x, output_uri=x)
     stage_config(_stage("generate"), p.generate, policy_uri=x, prompts_uri=x, output_uri=x)
@@ -261,7 +296,6 @@ def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
             missing.append("reward_uri (or reward_func_file, or preference_data to train one)")
         if missing:
             raise ConfigError(f"{flow_name}: missing {', '.join(missing)} (or set demo=true)")
-    return {"flow": flow_name}
 
 
 def prepare_inputs(p: LoopParams, run: dict):
@@ -274,7 +308,10 @@ def prepare_inputs(p: LoopParams, run: dict):
     prompt_data, eval_data = p.prompt_data or d.get("prompts"), p.eval_prompt_data or d.get("eval_prompts")
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
     gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
-    report = Report(run["flow"], p.root, p.run_name, so)
+    per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5}[run["flow"]]  # stage calls, eval included
+    planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file))
+               + p.iterations * per_iteration)
+    report = Report(run["flow"], p.root, p.run_name, so, stages=planned)
 
     prepare = _stage("prepare")
     prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=prompt_data,

@@ -26,10 +26,15 @@ class Params(common.LoopParams):
     sft_loop: dict = Field(default_factory=dict, description="SFT settings of the conditional fine-tune.")
 
 
+def checks(p: Params) -> dict:
+    """The flow's own stages and their settings, validated before any work."""
+    return {sft: p.sft_loop}
+
+
 @flow(name="conditional-sft", log_prints=True)
 def conditional_sft(params: Params) -> dict:
     p = params
-    run = common.setup(p, "conditional-sft", checks={sft: p.sft_loop})
+    run = common.setup(p, "conditional-sft", checks(p))
     with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)

@@ -35,10 +35,15 @@ class Params(common.LoopParams):
     dpo: dict = Field(default_factory=dict, description="DPO settings (beta, learning_rate, ...).")
 
 
+def checks(p: Params) -> dict:
+    """The flow's own stages and their settings, validated before any work."""
+    return {reference: p.reference, dpo: p.dpo}
+
+
 @flow(name="iterative-dpo", log_prints=True)
 def iterative_dpo(params: Params) -> dict:
     p = params
-    run = common.setup(p, "iterative-dpo", checks={reference: p.reference, dpo: p.dpo})
+    run = common.setup(p, "iterative-dpo", checks(p))
     with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         ref = policy

@@ -24,10 +24,15 @@ class Params(common.LoopParams):
     sft_loop: dict = Field(default_factory=dict, description="SFT settings of the per-iteration fine-tune.")
 
 
+def checks(p: Params) -> dict:
+    """The flow's own stages and their settings, validated before any work."""
+    return {sft: p.sft_loop}
+
+
 @flow(name="raft", log_prints=True)
 def raft(params: Params) -> dict:
     p = params
-    run = common.setup(p, "raft", checks={sft: p.sft_loop})
+    run = common.setup(p, "raft", checks(p))
     with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         for k in range(1, p.iterations + 1):

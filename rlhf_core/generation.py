@@ -87,7 +87,6 @@ class HFEngine:
     """transformers generate. One instance per Ray actor (or in-process)."""
 
     def __init__(self, model: str, engine: EngineSpec):
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = _local_model(model, engine.storage_options)
@@ -97,7 +96,6 @@ class HFEngine:
         self.batch_size = engine.batch_size
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.eos_id = self.tok.eos_token_id
-        torch.set_grad_enabled(False)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingSpec, logprobs: bool = True) -> list[list[dict]]:
         import torch

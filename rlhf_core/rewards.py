@@ -130,7 +130,6 @@ class RMEngine:
         self.stats = _norm_stats(AutoConfig.from_pretrained(path)) if spec.normalize else None
         self.spec = spec
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        torch.set_grad_enabled(False)
 
     def encode(self, prompt: str, response: str) -> list[int]:
         ids = self.tok(prompt + response, add_special_tokens=False).input_ids
@@ -154,12 +153,15 @@ class RMEngine:
         return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
 
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        import torch
+
         enc = [self.encode(p, r) for p, r in pairs]
         out = [0.0] * len(enc)
         order = sorted(range(len(enc)), key=lambda i: -len(enc[i]))
         for s in range(0, len(order), self.spec.batch_size):
             idx = order[s:s + self.spec.batch_size]
-            vals = self.forward([enc[i] for i in idx]).cpu().tolist()
+            with torch.no_grad():  # scoped: an in-process engine must not switch autograd off for its caller
+                vals = self.forward([enc[i] for i in idx]).cpu().tolist()
             for i, v in zip(idx, vals):
                 out[i] = v if self.stats is None else (v - self.stats[0]) / self.stats[1]
         return out

@@ -50,3 +50,18 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     gpu = next(d for d in spec["deployments"] if d["name"] == "gpu")
     assert gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
+
+
+def test_every_shipped_config_is_a_valid_flow_config():
+    import importlib
+
+    from flows import common
+    from stages.common import load_config
+
+    flows = {"demo.yaml": "iterative_dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional_sft",
+             "iterative_dpo_llama3_8b.yaml": "iterative_dpo", "raft_llama3_8b.yaml": "raft"}
+    assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(flows)
+    for name, module in flows.items():
+        mod = importlib.import_module(f"flows.{module}")
+        params = load_config(mod.Params, ROOT / "configs" / name)
+        common.validate(params, module, mod.checks(params))

@@ -41,10 +41,14 @@ def test_iterative_dpo_publishes_prefect_artifacts(demo_run):
     with get_client(sync_client=True) as client:
         table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-iterations"])))
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-report"])))
-    latest = max(table, key=lambda a: a.created)  # one version per publish: the last holds every iteration
+        progress = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-progress"])))
+    assert progress and float(max(progress, key=lambda a: a.created).data) == 100.0
+    mine = [a for a in table if str(a.flow_run_id) == demo_run.report["flow_run_id"]]
+    latest = max(mine, key=lambda a: a.created)  # one version per publish: the last holds every iteration
     rows = json.loads(latest.data) if isinstance(latest.data, str) else latest.data
     assert [r["iteration"] for r in rows] == [0, 1, 2] and all("gold_reward" in r for r in rows)
-    assert f"{demo_run.run}/iter-2/dpo" in max(report, key=lambda a: a.created).data
+    assert f"{demo_run.run}/iter-2/dpo" in max((a for a in report if str(a.flow_run_id) == demo_run.report["flow_run_id"]),
+                                               key=lambda a: a.created).data
 
 
 def test_rerun_resumes_without_redoing_anything(demo_run):
@@ -71,9 +75,12 @@ def test_changing_beta_reruns_only_dpo_and_what_follows(demo_run):
 
 
 def _loop_params(demo_run, tmp_path, **over) -> dict:
-    return demo_params(demo=False, root=str(tmp_path), pretrain_uri=demo_run.sft, reward_uri=demo_run.reward,
-                       prompt_data=f"{demo_run.inputs}/prompts.jsonl", eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl",
-                       gold_reward_file=demo_task.__file__, sft={}, train_rm={}, **over)
+    params = demo_params(demo=False, root=str(tmp_path), pretrain_uri=demo_run.sft, reward_uri=demo_run.reward,
+                         prompt_data=f"{demo_run.inputs}/prompts.jsonl", eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl",
+                         gold_reward_file=demo_task.__file__, sft={}, train_rm={}, **over)
+    for dpo_only in ("dpo", "reference"):
+        params.pop(dpo_only)
+    return params
 
 
 def test_raft_raises_gold_reward(demo_run, tmp_path):

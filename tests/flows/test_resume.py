@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def _start(cfg: Path, tmp_path: Path, marker: str) -> subprocess.Popen:
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), RLHF_TEST_MARKER=marker,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
     env.pop("PREFECT_API_URL", None)  # the harness's API belongs to the test process: use an ephemeral one
     exe = Path(sys.executable).parent / "rlhf-flows"
     return subprocess.Popen([str(exe), "run", "iterative-dpo", "--config", str(cfg)], env=env, start_new_session=True,
