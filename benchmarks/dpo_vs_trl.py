@@ -42,7 +42,6 @@ def main():
     real = sum(len(tok(r["prompt"] + r[k])["input_ids"]) + 1 for r in rows for k in ("chosen", "rejected"))
 
     from stages import dpo, reference
-    t0 = time.time()
     ref = reference.run(reference.Config(pairs_uri=pairs_uri, ref_uri=policy_uri, output_uri=str(root / "ref"),
                                          max_len=a.max_len, batch_size=a.batch))
     ref_s = ref.metrics["seconds"]
@@ -54,6 +53,7 @@ def main():
     ours_train = m.metrics["train_seconds"]
     ours = {"reference_pass_s": ref_s, "train_loop_s": ours_train, "stage_wall_s": stage_wall,
             "tokens_per_s_ref_counted": real / (ref_s + ours_train), "train_loop_tokens_per_s": m.metrics["tokens_per_s"]}
+    print("ours:", json.dumps(ours), flush=True)  # early, in case the slower TRL runs are cut off
 
     import datasets
     import torch
@@ -72,6 +72,7 @@ def main():
         tr.train()
         s = time.time() - t
         results[name] = {"train_s": s, "tokens_per_s_ref_counted": real / s}
+        print(f"{name}:", json.dumps(results[name]), flush=True)
     results["real_tokens"] = real
     results["speedup_vs_trl_defaults"] = ours["tokens_per_s_ref_counted"] / results["trl_defaults"]["tokens_per_s_ref_counted"]
     results["speedup_vs_trl_precompute"] = ours["tokens_per_s_ref_counted"] / results["trl_precompute_no_gc"]["tokens_per_s_ref_counted"]

@@ -1,4 +1,6 @@
-"""What the loop flows share: the run lock, the per-iteration report, demo inputs, stage-config building.
+"""What the loop flows share: their parameters, up-front validation, the inputs before iteration 1 (demo
+inputs, prompt sets, SFT warm-up, reward model), the rollout (generate + score), evaluation and the
+iteration loop with its stop conditions. The run lock and report live in flows/runtime.py.
 
 Resume does not depend on Prefect's database: every stage writes a committed manifest under
 `{root}/{run_name}/...`, and a rerun with the same run_name skips each stage whose manifest matches its
@@ -7,48 +9,14 @@ fingerprint (any machine, fresh Prefect database). Prefect's cache is a second l
 from __future__ import annotations
 
 import json
-import os
-import socket
-import threading
 import time
-import uuid
-from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flows.runtime import Report, call, run_lock  # noqa: F401  (the flows use them through this module)
 from rlhf_core import store
-from stages.common import ConfigError, call as run_stage
-
-LOCK = "_LOCK.json"
-_progress: dict = {}  # the running flow's Prefect progress artifact: {"id", "done", "total"}
-
-
-def call(stage_task_obj, cfg) -> dict:
-    """Run one stage (stages.common.call) and advance the flow's progress artifact."""
-    out = run_stage(stage_task_obj, cfg)
-    if _progress.get("id"):
-        from prefect.artifacts import update_progress_artifact
-
-        _progress["done"] += 1
-        update_progress_artifact(_progress["id"], progress=min(100.0, 100.0 * _progress["done"] / _progress["total"]))
-    return out
-
-
-class FlowParams(BaseModel):
-    """Fields every loop flow has. Sub-dicts hold per-stage settings (any field of that stage's Config
-    except its URIs); they are validated against the stage configs before any work starts."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    root: str = Field("runs", description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
-    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$", description="Run folder under root; rerun = resume.")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (never logged).")
-    demo: bool = Field(False, description="Build the demo inputs (tiny models, toy-review data) offline first.")
-    iterations: int = Field(3, ge=1, description="Number of loop iterations.")
-    stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
-    max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
-    lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
+from stages.common import ConfigError
 
 
 def stage_config(module, base: dict, **fields):
@@ -60,152 +28,6 @@ def stage_config(module, base: dict, **fields):
         lines = [f"  {name}.{'.'.join(map(str, err['loc']))}: "
                  + ("unknown field (typo?)" if err["type"] == "extra_forbidden" else err["msg"]) for err in e.errors()]
         raise ConfigError(f"invalid flow config for stage {name}:\n" + "\n".join(lines)) from None
-
-
-# ---------------------------------------------------------------------------------------------- lock
-@contextmanager
-def run_lock(root: str, run_name: str, lease_s: float = 120.0, storage_options: dict | None = None):
-    """One writer per run folder. The lock object names its holder and is refreshed every lease/4 seconds.
-    It is stale (taken over) when its lease expired, or when it was held on this host by a pid that is gone
-    (a SIGKILLed flow); otherwise a second run with the same run_name is refused with a clear message."""
-    fs, path = store.filesystem(store.join(root, run_name), storage_options)
-    lock_path = store.join(path, LOCK)
-    me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
-
-    def write():
-        with fs.open(lock_path, "w") as f:
-            f.write(json.dumps({**me, "refreshed_at": time.time()}))
-
-    if fs.exists(lock_path):
-        with fs.open(lock_path) as f:
-            held = json.loads(f.read() or "{}")
-        alive = time.time() - held.get("refreshed_at", 0) < lease_s
-        if alive and held.get("host") == me["host"]:
-            alive = _pid_alive(held.get("pid"))
-        if alive:
-            raise RuntimeError(f"run {store.join(root, run_name)} is in use by pid {held.get('pid')} on "
-                               f"{held.get('host')} (lock {LOCK} refreshed {time.time() - held['refreshed_at']:.0f}s ago); "
-                               f"wait for it, or pick another run_name")
-    fs.makedirs(path, exist_ok=True)
-    write()
-    time.sleep(0.05)
-    with fs.open(lock_path) as f:  # lost a race with another starter?
-        if json.loads(f.read()).get("token") != me["token"]:
-            raise RuntimeError(f"run {store.join(root, run_name)} was just taken by another process")
-    stop = threading.Event()
-
-    def refresh():
-        while not stop.wait(lease_s / 4):
-            write()
-
-    t = threading.Thread(target=refresh, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(5)
-        fs.rm(lock_path)
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# ---------------------------------------------------------------------------------------------- report
-class Report:
-    """Per-iteration numbers: a Prefect table + markdown artifact, a PNG plot and report.json in the run."""
-
-    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None, stages: int = 0):
-        self.flow, self.run_uri, self.storage_options = flow, store.join(root, run_name), storage_options
-        _progress.clear()
-        if stages:  # a progress bar in the UI: stage calls done / planned
-            from prefect.artifacts import create_progress_artifact
-            from prefect.context import FlowRunContext
-
-            if FlowRunContext.get() is not None:
-                _progress.update(id=create_progress_artifact(0.0, key=f"{flow}-progress", description=
-                                                             f"{flow}: stages done of {stages} planned"),
-                                 done=0, total=stages)
-        self.rows: list[dict] = []
-        self.links: dict[str, str] = {}
-        self.stop_reason = "running"
-        self.started = time.time()
-        self.eval_cfg: dict = {}
-
-    def add(self, row: dict, links: dict[str, str] | None = None) -> None:
-        self.rows.append(row)
-        self.links.update(links or {})
-        self.publish()
-
-    def finish(self) -> dict:
-        if self.stop_reason == "running":
-            self.stop_reason = "completed all iterations"
-        if _progress.get("id"):  # an early stop skips planned stages
-            from prefect.artifacts import update_progress_artifact
-
-            update_progress_artifact(_progress["id"], progress=100.0)
-        return self.publish()
-
-    def publish(self) -> dict:
-        from prefect.context import FlowRunContext
-
-        ctx = FlowRunContext.get()
-        rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
-               "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
-               "artifacts": self.links, "wall_s": round(time.time() - self.started, 2)}
-        fs, path = store.filesystem(self.run_uri, self.storage_options)
-        with fs.open(store.join(path, "report.json"), "w") as f:
-            f.write(json.dumps(rep, indent=2, default=str))
-        self._plot(fs, path)
-        self._prefect_artifacts()
-        return rep
-
-    def _plot(self, fs, path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        for key, label in (("gold_reward", "gold reward (held-out)"), ("rm_reward", "RM reward (held-out)")):
-            pts = [(r["iteration"], r[key]) for r in self.rows if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=label)
-        ax.set_xticks([r["iteration"] for r in self.rows])
-        ax.set_xlabel("iteration (0 = before RLHF)")
-        ax.set_ylabel("mean reward")
-        ax.set_title(f"{self.flow}: {self.run_uri.rsplit('/', 1)[-1]}")
-        if ax.lines:
-            ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        with fs.open(store.join(path, "reward.png"), "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-        plt.close(fig)
-
-    def _prefect_artifacts(self) -> None:
-        from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
-        from prefect.context import FlowRunContext
-
-        if FlowRunContext.get() is None:
-            return
-        key = self.flow.replace("_", "-")
-        cols = sorted({k for r in self.rows for k, v in r.items() if not isinstance(v, dict)},
-                      key=lambda c: (c != "iteration", c))
-        table = [{c: (round(r[c], 4) if isinstance(r.get(c), float) else r.get(c)) for c in cols} for r in self.rows]
-        create_table_artifact(table, key=f"{key}-iterations", description=f"{self.flow}: per-iteration metrics")
-        md = [f"# {self.flow} — `{self.run_uri}`", f"Stop reason: **{self.stop_reason}**", "",
-              f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
-        md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
-        create_markdown_artifact("\n".join(md), key=f"{key}-report", description="every artifact of the run")
-        create_link_artifact(f"{self.run_uri}/reward.png", link_text="reward per iteration (PNG)", key=f"{key}-plot")
 
 
 # ---------------------------------------------------------------------------------------------- demo inputs
@@ -242,8 +64,20 @@ def demo_inputs(root: str, run_name: str, seed: int = 0, storage_options: dict |
 
 
 # ---------------------------------------------------------------------------------------------- loop pieces
-class LoopParams(FlowParams):
-    """Inputs of a loop flow. Data sources are OpenRLHF-format files or committed artifacts on any URI."""
+class LoopParams(BaseModel):
+    """Parameters of a loop flow: the Prefect UI form, checked by the server; also loaded from YAML.
+    Data sources are OpenRLHF-format files or committed artifacts on any URI. Per-stage dicts hold that
+    stage's Config fields (URIs excepted); they are validated against the stage configs before any work."""
+
+    model_config = ConfigDict(extra="forbid")
+    root: str = Field("runs", description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$", description="Run folder under root; rerun = resume.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (never logged).")
+    demo: bool = Field(False, description="Build the demo inputs (tiny models, toy-review data) offline first.")
+    iterations: int = Field(3, ge=1, description="Number of loop iterations.")
+    stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
+    max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
+    lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
 
     pretrain_uri: str | None = Field(None, description="Initial policy (model artifact). demo=true: the tiny policy.")
     reward_uri: str | None = Field(None, description="Reward model artifact; if unset, one is trained on preference_data.")
@@ -397,6 +231,30 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
     row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
     report.add(row, {f"iter-{k}/{s}": m["uri"] for s, m in by_stage.items()} | {f"iter-{k}/policy": policy})
     return row
+
+
+def iterations(p: LoopParams, report: Report):
+    """k = 1..p.iterations, stopping early (reason recorded) on max_wall_time_s before an iteration or on
+    stop_when_gain_below after one."""
+    for k in range(1, p.iterations + 1):
+        if (why := out_of_time(p, report)):
+            report.stop_reason = why
+            return
+        yield k
+        if (why := converged(p, report)):
+            report.stop_reason = why
+            return
+
+
+def rollout(p: LoopParams, k: int, policy: str, prompts: str, reward: dict) -> tuple[dict, dict]:
+    """Iteration k's samples from `policy` on prompt slice k-1 (OpenRLHF's --iter), and their scores."""
+    generate, score = _stage("generate"), _stage("score")
+    at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
+    samples = call(generate.task, stage_config(generate, p.generate, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
+                                               output_uri=at("generate"), storage_options=p.storage_options))
+    scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward, output_uri=at("score"),
+                                           storage_options=p.storage_options))
+    return samples, scored
 
 
 def out_of_time(p: LoopParams, report: Report) -> str | None:

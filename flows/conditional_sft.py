@@ -1,9 +1,8 @@
-"""Flow `conditional-sft`: reward-conditioned SFT (SteerLM / "conditional SFT", https://arxiv.org/abs/2310.05344;
-OpenRLHF's former examples/scripts/train_conditional_llama.sh, as a resumable flow).
+"""Flow `conditional-sft`: reward-conditioned SFT (SteerLM, https://arxiv.org/abs/2310.05344; OpenRLHF's
+former examples/scripts/train_conditional_llama.sh, as a resumable flow).
 
     for k in 1..iterations:
-        generate responses from policy_k (or score a given dataset in iteration 1 with score_data)
-        score them with the reward model
+        generate responses from policy_k on prompt slice k and score them with the reward model
         csft: "{input} <rm_score>: {reward} " -> SFT rows (rewards optionally normalised globally)
         sft(policy_k) on those rows -> policy_{k+1}
         evaluate with the high-reward condition appended to the held-out prompts
@@ -18,7 +17,7 @@ from pydantic import Field
 from flows import common
 from flows.common import call, stage_config
 from rlhf_core import store
-from stages import filter as filter_stage, generate, score, sft
+from stages import filter as filter_stage, sft
 
 
 class Params(common.LoopParams):
@@ -33,31 +32,22 @@ def checks(p: Params) -> dict:
 
 @flow(name="conditional-sft", log_prints=True)
 def conditional_sft(params: Params) -> dict:
-    p = params
+    p, so = params, params.storage_options
     run = common.setup(p, "conditional-sft", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
+    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
+        # Evaluate under the condition the policy learnt to follow: the high target reward.
         template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)
-        # The evaluation prompt carries the condition the model learnt to follow: the high target reward.
         report.eval_cfg["prompt_template"] = template.replace("{input}", "{prompt}").replace("{reward}", f"{p.target_reward:.2f}")
-        for k in range(1, p.iterations + 1):
-            if (why := common.out_of_time(p, report)):
-                report.stop_reason = why
-                break
+        for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-            samples = call(generate.task, stage_config(generate, p.generate, policy_uri=policy, prompts_uri=prompts,
-                                                       iter=k - 1, output_uri=at("generate"), storage_options=p.storage_options))
-            scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward,
-                                                   output_uri=at("score"), storage_options=p.storage_options))
+            samples, scored = common.rollout(p, k, policy, prompts, reward)
             rows = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "csft"}, scored_uri=scored["uri"],
-                                                        output_uri=at("csft"), storage_options=p.storage_options))
+                                                        output_uri=at("csft"), storage_options=so))
             trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=rows["uri"],
-                                                  output_uri=at("sft"), storage_options=p.storage_options))
+                                                  output_uri=at("sft"), storage_options=so))
             policy = trained["uri"]
             common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, rows, trained])
-            if (why := common.converged(p, report)):
-                report.stop_reason = why
-                break
     return report.finish()
 
 

@@ -1,5 +1,5 @@
 """Flow `iterative-dpo`: online iterative DPO (Xiong et al. 2024, https://arxiv.org/abs/2312.11456; the
-loop of OpenRLHF's former examples/scripts/train_iterative_dpo.sh, as a resumable Prefect flow).
+loop of OpenRLHF's former examples/scripts/train_iterative_dpo_llama.sh, as a resumable Prefect flow).
 
     optional: sft warm-up on sft_data; train_rm on preference_data when no reward model is given
     for k in 1..iterations:
@@ -17,7 +17,6 @@ Every stage writes `{root}/{run_name}/iter-{k}/{stage}/`; rerunning with the sam
 """
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from prefect import flow
@@ -26,7 +25,7 @@ from pydantic import Field
 from flows import common
 from flows.common import call, stage_config
 from rlhf_core import store
-from stages import dpo, filter as filter_stage, generate, reference, score
+from stages import dpo, filter as filter_stage, reference
 
 
 class Params(common.LoopParams):
@@ -42,33 +41,24 @@ def checks(p: Params) -> dict:
 
 @flow(name="iterative-dpo", log_prints=True)
 def iterative_dpo(params: Params) -> dict:
-    p = params
+    p, so = params, params.storage_options
     run = common.setup(p, "iterative-dpo", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
+    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         ref = policy
-        for k in range(1, p.iterations + 1):
-            if (why := common.out_of_time(p, report)):
-                report.stop_reason = why
-                break
+        for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-            samples = call(generate.task, stage_config(generate, p.generate, policy_uri=policy, prompts_uri=prompts,
-                                                       iter=k - 1, output_uri=at("generate"), storage_options=p.storage_options))
-            scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward,
-                                                   output_uri=at("score"), storage_options=p.storage_options))
-            pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"}, scored_uri=scored["uri"],
-                                                         output_uri=at("pairs"), storage_options=p.storage_options))
+            samples, scored = common.rollout(p, k, policy, prompts, reward)
+            pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"},
+                                                         scored_uri=scored["uri"], output_uri=at("pairs"), storage_options=so))
             with_ref = call(reference.task, stage_config(reference, p.reference, pairs_uri=pairs["uri"], ref_uri=ref,
-                                                         output_uri=at("reference"), storage_options=p.storage_options))
+                                                         output_uri=at("reference"), storage_options=so))
             trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
-                                                  output_uri=at("dpo"), storage_options=p.storage_options))
+                                                  output_uri=at("dpo"), storage_options=so))
             policy = trained["uri"]
             if p.ref_policy == "previous":
                 ref = policy
             common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, pairs, with_ref, trained])
-            if (why := common.converged(p, report)):
-                report.stop_reason = why
-                break
     return report.finish()
 
 

@@ -17,7 +17,7 @@ from pydantic import Field
 from flows import common
 from flows.common import call, stage_config
 from rlhf_core import store
-from stages import filter as filter_stage, generate, score, sft
+from stages import filter as filter_stage, sft
 
 
 class Params(common.LoopParams):
@@ -31,28 +31,19 @@ def checks(p: Params) -> dict:
 
 @flow(name="raft", log_prints=True)
 def raft(params: Params) -> dict:
-    p = params
+    p, so = params, params.storage_options
     run = common.setup(p, "raft", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, p.storage_options):
+    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
-        for k in range(1, p.iterations + 1):
-            if (why := common.out_of_time(p, report)):
-                report.stop_reason = why
-                break
+        for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-            samples = call(generate.task, stage_config(generate, p.generate, policy_uri=policy, prompts_uri=prompts,
-                                                       iter=k - 1, output_uri=at("generate"), storage_options=p.storage_options))
-            scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward,
-                                                   output_uri=at("score"), storage_options=p.storage_options))
+            samples, scored = common.rollout(p, k, policy, prompts, reward)
             best = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "rs"}, scored_uri=scored["uri"],
-                                                        output_uri=at("best_of_n"), storage_options=p.storage_options))
+                                                        output_uri=at("best_of_n"), storage_options=so))
             trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=best["uri"],
-                                                  output_uri=at("sft"), storage_options=p.storage_options))
+                                                  output_uri=at("sft"), storage_options=so))
             policy = trained["uri"]
             common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, best, trained])
-            if (why := common.converged(p, report)):
-                report.stop_reason = why
-                break
     return report.finish()
 
 

@@ -136,12 +136,20 @@ class StageFailed(RuntimeError):
 
 
 def call(stage_task_obj, cfg) -> dict:
-    """Run a stage task. A Prefect cache hit is trusted only while the artifact's manifest still exists:
-    otherwise the cache is refreshed and the stage runs (and itself skips work if it can). A failure is
-    re-raised naming the stage and its output URI; nothing was committed there, so a rerun resumes."""
-    alive = store.committed_any(cfg.output_uri, cfg.storage_options)
+    """Run a stage task through Prefect's cache, trusting a cache hit only when the store still holds the
+    very artifact the cache recorded (same fingerprint and created_at): persisted results outlive Prefect
+    databases and can point at an artifact that was since deleted or rewritten. Otherwise the stage runs
+    (and itself skips work if the store holds its fingerprint). A failure is re-raised naming the stage and
+    its output URI; nothing was committed there, so a rerun resumes."""
     try:
-        return stage_task_obj.with_options(refresh_cache=not alive)(cfg)
+        out = stage_task_obj.with_options(refresh_cache=not store.committed_any(cfg.output_uri, cfg.storage_options))(cfg)
+        try:
+            held = store.read_manifest(cfg.output_uri, storage_options=cfg.storage_options)
+        except store.NotCommittedError:
+            held = None
+        if held is None or (held.fingerprint, held.created_at) != (out["fingerprint"], out["created_at"]):
+            out = stage_task_obj.with_options(refresh_cache=True)(cfg)
+        return out
     except Exception as e:
         raise StageFailed(f"stage {stage_task_obj.name!r} failed writing {cfg.output_uri}: "
                           f"{type(e).__name__}: {store.redact(str(e), cfg.storage_options)}") from e

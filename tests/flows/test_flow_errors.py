@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from flows import common
+from flows import common, runtime
 from flows.iterative_dpo import Params, iterative_dpo
 from rlhf_core import store
 from stages.common import ConfigError, StageFailed, load_config
@@ -81,15 +81,15 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path):
         with pytest.raises(RuntimeError, match=rf"run {tmp_path}/r is in use by pid {os.getpid()} on"):
             with common.run_lock(str(tmp_path), "r", lease_s=60):
                 pass
-    assert not (tmp_path / "r" / common.LOCK).exists()
+    assert not (tmp_path / "r" / runtime.LOCK).exists()
     # A lock left by a SIGKILLed process on this host (its pid is gone) is stale at once.
     dead = 2 ** 22 + 12345
-    (tmp_path / "r" / common.LOCK).write_text(json.dumps({"token": "t", "host": socket.gethostname(), "pid": dead,
+    (tmp_path / "r" / runtime.LOCK).write_text(json.dumps({"token": "t", "host": socket.gethostname(), "pid": dead,
                                                           "refreshed_at": time.time()}))
     with common.run_lock(str(tmp_path), "r", lease_s=60):
-        assert json.loads((tmp_path / "r" / common.LOCK).read_text())["pid"] == os.getpid()
+        assert json.loads((tmp_path / "r" / runtime.LOCK).read_text())["pid"] == os.getpid()
     # A lock from another host is honoured until its lease expires.
-    (tmp_path / "r" / common.LOCK).write_text(json.dumps({"token": "t", "host": "elsewhere", "pid": 1,
+    (tmp_path / "r" / runtime.LOCK).write_text(json.dumps({"token": "t", "host": "elsewhere", "pid": 1,
                                                           "refreshed_at": time.time() - 30}))
     with pytest.raises(RuntimeError, match="in use by pid 1 on elsewhere"):
         with common.run_lock(str(tmp_path), "r", lease_s=60):

@@ -1,6 +1,5 @@
 """Artifact store against a real S3 endpoint (moto_server) and the local filesystem."""
 import json
-import os
 import time
 
 import pyarrow as pa

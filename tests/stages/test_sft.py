@@ -190,3 +190,13 @@ def test_corrupt_and_foreign_checkpoints_are_refused_by_name(tiny, tmp_path):
     with pytest.raises(checkpoints.CheckpointError, match="foreign checkpoint .*step-2: made by a job with fingerprint someoneelse"):
         sft.run(cfg)
     assert not store.committed_any(str(out))
+
+
+def test_zero3_gathers_full_weights_for_the_save(tiny, tmp_path):
+    cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=sft_data(tmp_path, n=16), output_uri=str(tmp_path / "z3"),
+                     zero_stage=3, **FAST)
+    m = sft.run(cfg)
+    assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 2
+    before, after = weights(tiny.policy_dir), weights(tmp_path / "z3")
+    assert {k: v.shape for k, v in before.items()} == {k: v.shape for k, v in after.items()}  # not ZeRO-3 shards
+    assert all(not torch.equal(before[k], after[k]) for k in before)

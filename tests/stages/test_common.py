@@ -1,0 +1,51 @@
+"""The Prefect layer over a stage: its cache is used, but never trusted over the store."""
+import json
+
+import pytest
+
+from rlhf_core import store
+from stages import prepare
+from stages.common import call
+
+
+@pytest.fixture
+def source(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"input": f"q{i}"}) + "\n" for i in range(6)))
+    committed = str(tmp_path / "src")
+    prepare.run(prepare.Config(kind="prompts", data=str(src), output_uri=committed))  # committed input: cacheable
+    return committed
+
+
+def _flow(source, out):
+    from prefect import flow
+
+    @flow
+    def prep(n: int) -> dict:
+        return call(prepare.task, prepare.Config(kind="prompts", data=source, input_key="prompt", max_samples=n,
+                                                 output_uri=out))
+    return prep
+
+
+def test_cache_hit_is_used_while_the_artifact_is_there_and_refused_once_deleted(prefect_harness, source, tmp_path):
+    out = str(tmp_path / "out")
+    prep = _flow(source, out)
+    first = prep(3)
+    state = prep(3, return_state=True)
+    assert state.name == "Completed" and state.result()["created_at"] == first["created_at"]
+    fs, path = store.filesystem(out)
+    fs.rm(path, recursive=True)  # the artifact is gone: a cache hit would point at nothing
+    again = prep(3)
+    assert store.read_manifest(out).created_at == again["created_at"] != first["created_at"]
+
+
+def test_stale_cache_record_for_a_rewritten_artifact_is_not_trusted(prefect_harness, source, tmp_path):
+    out = str(tmp_path / "out")
+    prep = _flow(source, out)
+    three = prep(3)
+    assert prep(4)["rows"] == 4  # the same prefix now holds another artifact
+    # Prefect still holds a record for n=3 pointing at the first manifest; the store holds n=4's.
+    back = prep(3)
+    held = store.read_manifest(out)
+    assert back["rows"] == held.rows == 3 and back["fingerprint"] == held.fingerprint == three["fingerprint"]
+    assert held.created_at == back["created_at"] != three["created_at"]
