@@ -1,5 +1,5 @@
-"""The three loop flows end to end on the toy-review task: gold reward rises, reruns skip, changes rerun
-only what they affect. Artifacts on the moto S3 endpoint (iterative DPO) and on local disk (RAFT, CSFT)."""
+"""The three loop flows end to end on the toy-review task, every artifact on the moto S3 endpoint: gold
+reward rises, reruns skip, changes rerun only what they affect."""
 from __future__ import annotations
 
 import json
@@ -74,8 +74,8 @@ def test_changing_beta_reruns_only_dpo_and_what_follows(demo_run):
     assert after["iter-1/dpo"].config["beta"] == 0.2
 
 
-def _loop_params(demo_run, tmp_path, **over) -> dict:
-    params = demo_params(demo=False, root=str(tmp_path), pretrain_uri=demo_run.sft, reward_uri=demo_run.reward,
+def _loop_params(demo_run, root, **over) -> dict:
+    params = demo_params(demo=False, root=root, pretrain_uri=demo_run.sft, reward_uri=demo_run.reward,
                          prompt_data=f"{demo_run.inputs}/prompts.jsonl", eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl",
                          gold_reward_file=demo_task.__file__, sft={}, train_rm={}, **over)
     for dpo_only in ("dpo", "reference"):
@@ -83,26 +83,26 @@ def _loop_params(demo_run, tmp_path, **over) -> dict:
     return params
 
 
-def test_raft_raises_gold_reward(demo_run, tmp_path):
+def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
     from flows.raft import Params, raft
 
     sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 2, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 48}
-    report = raft(Params(**_loop_params(demo_run, tmp_path, run_name="raft", iterations=2, sft_loop=sft_loop)))
+    report = raft(Params(**_loop_params(demo_run, s3_root, run_name="raft", iterations=2, sft_loop=sft_loop)))
     gold = [r["gold_reward"] for r in report["iterations"]]
     assert gold[0] < gold[1] < gold[2], gold
-    best = store.read_table(f"{tmp_path}/raft/iter-1/best_of_n").to_pylist()
+    best = store.read_table(f"{s3_root}/raft/iter-1/best_of_n").to_pylist()
     prompts = [r["input"] for r in best]
     assert len(prompts) == len(set(prompts)) == 64  # rs keeps exactly one response per prompt
 
 
-def test_conditional_sft_trains_on_reward_tagged_rows(demo_run, tmp_path):
+def test_conditional_sft_trains_on_reward_tagged_rows_on_s3(demo_run, s3_root):
     from flows.conditional_sft import Params, conditional_sft
 
     sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 1, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 64}
-    report = conditional_sft(Params(**_loop_params(demo_run, tmp_path, run_name="csft", iterations=1, sft_loop=sft_loop,
+    report = conditional_sft(Params(**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
                                                    target_reward=1.5)))
     assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
-    rows = store.read_table(f"{tmp_path}/csft/iter-1/csft").to_pylist()
+    rows = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
     assert all(" <rm_score>: " in r["input"] for r in rows)
-    evald = store.read_table(f"{tmp_path}/csft/iter-1/eval").to_pylist()
+    evald = store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist()
     assert all(r["prompt"].endswith(" <rm_score>: 1.50 ") for r in evald)
