@@ -33,6 +33,7 @@ class FilterStats:
     dropped_ties: int = 0  # iter_dpo: prompts with >= 2 samples whose rewards are all equal
     dropped_single: int = 0  # iter_dpo: prompts with one sample
     dropped_range: int = 0  # rows removed by the reward-range filter
+    dropped_empty: int = 0  # rows whose response is empty or blank
     extra: dict = field(default_factory=dict)
 
 
@@ -54,6 +55,16 @@ def dynamic_filter(rows: list[dict], min_reward: float | None = None, max_reward
         m = sum(r["reward"] for r in group) / len(group)
         if (min_reward is None or m > min_reward) and (max_reward is None or m < max_reward):
             out.extend(group)
+    return out
+
+
+def drop_empty(rows: list[dict], stats: FilterStats | None = None) -> list[dict]:
+    """Rows whose response has text. A policy may stop at once (EOS first); such a sample scores, but as a
+    training target (an SFT output, a DPO chosen or rejected) it is refused downstream, so it is dropped
+    here and counted. Example: responses ["good .", "", "  "] -> 1 row kept, 2 dropped."""
+    out = [r for r in rows if r["response"].strip()]
+    if stats is not None:
+        stats.dropped_empty += len(rows) - len(out)
     return out
 
 

@@ -57,6 +57,7 @@ def run(cfg: Config) -> store.Manifest:
     stats = pp.FilterStats(rows_in=len(rows), prompts=len(groups))
     kept = pp.dynamic_filter(rows, cfg.min_reward, cfg.max_reward)
     stats.dropped_range = len(rows) - len(kept)
+    kept = pp.drop_empty(kept, stats)
     if cfg.method == "rs":
         out, kind = pp.best_of_n(kept, cfg.top_k), "sft"
     elif cfg.method == "iter_dpo":
@@ -65,14 +66,15 @@ def run(cfg: Config) -> store.Manifest:
         out, kind = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template), "sft"
     if not out:
         raise data.DataError(f"{cfg.scored_uri}: {cfg.method} kept no rows ({len(rows)} in, "
-                             f"{stats.dropped_range} outside the reward range, {stats.dropped_ties} tied prompts, "
+                             f"{stats.dropped_range} outside the reward range, {stats.dropped_empty} empty responses, "
+                             f"{stats.dropped_ties} tied prompts, "
                              f"{stats.dropped_single} single-sample prompts)")
 
     # 4. write, commit
     w.write_table(f"{kind}.parquet", data.to_table(out, kind))
     metrics = {"method": cfg.method, "kind": kind, "rows_in": len(rows), "rows_out": len(out), "prompts": len(groups),
                "dropped_ties": stats.dropped_ties, "dropped_single": stats.dropped_single,
-               "dropped_range": stats.dropped_range, "reward_mean_all": pp.mean([r["reward"] for r in rows])}
+               "dropped_range": stats.dropped_range, "dropped_empty": stats.dropped_empty, "reward_mean_all": pp.mean([r["reward"] for r in rows])}
     if kind == "pairs":
         metrics |= {"reward_mean_chosen": pp.mean([p["chosen_reward"] for p in out]),
                     "reward_mean_rejected": pp.mean([p["rejected_reward"] for p in out]),

@@ -61,3 +61,18 @@ def test_dynamic_filter_keeps_prompts_with_mean_strictly_inside_range():
     assert len(pp.dynamic_filter(rows({"a": [0.0, 1.0]}), None, None)) == 2
     with pytest.raises(pp.FilterError, match="must be <"):
         pp.dynamic_filter([], 1.0, 0.0)
+
+
+def test_empty_responses_are_dropped_and_counted_before_pairing():
+    # The policy stopped at once on sample 1 (lowest reward): without dropping it, it would be the
+    # rejected response, which DPO refuses as training data.
+    rows = [{"prompt": "p", "response": "good .", "reward": 0.9, "sample_index": 0},
+            {"prompt": "p", "response": "", "reward": -1.0, "sample_index": 1},
+            {"prompt": "p", "response": "bad .", "reward": -0.5, "sample_index": 2},
+            {"prompt": "q", "response": "  ", "reward": 0.0, "sample_index": 0}]
+    stats = pp.FilterStats()
+    kept = pp.drop_empty(rows, stats)
+    assert stats.dropped_empty == 2 and [r["response"] for r in kept] == ["good .", "bad ."]
+    pairs = pp.dpo_pairs(kept, stats)
+    assert pairs == [{"prompt": "p", "chosen": "good .", "rejected": "bad .", "chosen_reward": 0.9,
+                      "rejected_reward": -0.5, "margin": 1.4}]

@@ -67,3 +67,16 @@ def test_unknown_post_processor():
 def test_uncommitted_input_is_refused(s3_root):
     with pytest.raises(store.NotCommittedError, match="not a committed artifact"):
         filter_stage.run(filter_stage.Config(scored_uri=f"{s3_root}/nothing", method="rs", output_uri=f"{s3_root}/o"))
+
+
+def test_empty_responses_never_become_training_targets(tmp_path):
+    uri = str(tmp_path / "scored")
+    w = store.ArtifactWriter(uri, "score", {"t": "empty"})
+    w.begin()
+    w.write_table("scored.parquet", data.to_table(
+        [{"prompt": "p", "response": r, "sample_index": i, "reward": rw}
+         for i, (r, rw) in enumerate([("good .", 1.0), ("", -2.0), ("bad .", -1.0)])], "scored"))
+    w.commit()
+    m = filter_stage.run(filter_stage.Config(scored_uri=uri, method="iter_dpo", output_uri=str(tmp_path / "pairs")))
+    assert m.metrics["dropped_empty"] == 1 and m.rows == 1
+    assert store.read_table(m.uri).to_pylist()[0]["rejected"] == "bad ."
