@@ -30,9 +30,17 @@ def main():
     policy, _ = tiny_mod.build_tiny_pair(root / "local", demo_task.corpus(0), seed=0)
     policy_uri = str(root / "store" / "policy")
     store.commit_model_dir(policy, policy_uri, "tiny-model", {"seed": 0})
+    # ENV-NOTES' reference figures used prompts of 20-43 tokens and responses of 9-82: lengthen the demo's
+    # pairs the same way (neutral words on the prompt, several reviews per response) so ratios compare.
+    # The labels then no longer follow the gold reward: this measures speed only.
+    import random
+
+    rng = random.Random(7)
     rows = demo_task.preference_rows(a.pairs, seed=7)
-    for r in rows:  # longer responses, like ENV-NOTES' 9-82 token responses
-        r["prompt"] = r["prompt"] + " "
+    for r in rows:
+        r["prompt"] = r["prompt"] + " " + " ".join(rng.choice(demo_task.NEUTRAL) for _ in range(rng.randint(14, 36))) + " "
+        for k in ("chosen", "rejected"):
+            r[k] = " ".join([r[k]] + [demo_task.random_review(rng) for _ in range(rng.randint(0, 7))])
     pairs_uri = str(root / "store" / "pairs")
     w = store.ArtifactWriter(pairs_uri, "data", {"n": a.pairs})
     w.begin(); w.write_table("p.parquet", data.to_table(rows, "pairs")); w.commit()
