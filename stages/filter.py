@@ -36,8 +36,13 @@ class Config(StageConfig):
 
 
 def run(cfg: Config) -> store.Manifest:
-    # 1. inputs, checked before any work
+    # 1. the skip: same input and config as a committed output -> nothing to read
     scored_m = store.read_manifest(cfg.scored_uri, storage_options=cfg.storage_options)
+    w = store.ArtifactWriter(cfg.output_uri, "filter", cfg.semantic(), {"scored": scored_m}, cfg.storage_options)
+    if (done := w.existing()):
+        return done
+
+    # 2. inputs, checked before any work
     table = store.read_table(cfg.scored_uri, storage_options=cfg.storage_options)
     data.validate_table(table, "scored", cfg.scored_uri)
     rows = table.to_pylist()
@@ -46,11 +51,6 @@ def run(cfg: Config) -> store.Manifest:
         raise pp.FilterError(f"iter_dpo needs best_of_n >= 2: every prompt in {cfg.scored_uri} has one sample")
     if cfg.method == "csft" and ("{input}" not in cfg.csft_template or "{reward}" not in cfg.csft_template):
         raise pp.FilterError(f"csft_template {cfg.csft_template!r} must contain {{input}} and {{reward}}")
-
-    # 2. same inputs and config as a committed output: nothing to do
-    w = store.ArtifactWriter(cfg.output_uri, "filter", cfg.semantic(), {"scored": scored_m}, cfg.storage_options)
-    if (done := w.existing()):
-        return done
     w.begin()
 
     # 3. post-process

@@ -49,27 +49,29 @@ class Config(StageConfig):
 
 
 def run(cfg: Config) -> store.Manifest:
-    # 1. inputs, checked before any work
-    samples_m = store.read_manifest(cfg.samples_uri, storage_options=cfg.storage_options)
+    # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to read or load
+    inputs = {"samples": store.read_manifest(cfg.samples_uri, storage_options=cfg.storage_options)}
+    if cfg.reward_model_uri:
+        inputs["reward_model"] = store.source_manifest(cfg.reward_model_uri, cfg.storage_options)
+    elif cfg.reward_func_path:
+        inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
+    w = store.ArtifactWriter(cfg.output_uri, "score", cfg.semantic(), inputs, cfg.storage_options)
+    if (done := w.existing()):
+        return done
+
+    # 2. inputs, checked before any work
     table = store.read_table(cfg.samples_uri, storage_options=cfg.storage_options)
     data.validate_table(table, "samples", cfg.samples_uri)
     rows = table.to_pylist()
     if not rows:
         raise data.DataError(f"{cfg.samples_uri}: no samples to score")
-    inputs = {"samples": samples_m}
     model = None
     if cfg.reward_model_uri:
-        rm_dir, inputs["reward_model"] = model_input(cfg.reward_model_uri, cfg.storage_options)
+        rm_dir, _ = model_input(cfg.reward_model_uri, cfg.storage_options)
         check_reward_model(rm_dir, cfg.value_head_prefix)
         model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
     elif cfg.reward_func_path:
         load_reward_func(cfg.reward_func_path, cfg.storage_options)  # exists and defines reward_func
-        inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
-
-    # 2. same inputs and config as a committed output: nothing to do
-    w = store.ArtifactWriter(cfg.output_uri, "score", cfg.semantic(), inputs, cfg.storage_options)
-    if (done := w.existing()):
-        return done
     w.begin()
 
     # 3. score

@@ -80,3 +80,18 @@ def test_empty_responses_never_become_training_targets(tmp_path):
     m = filter_stage.run(filter_stage.Config(scored_uri=uri, method="iter_dpo", output_uri=str(tmp_path / "pairs")))
     assert m.metrics["dropped_empty"] == 1 and m.rows == 1
     assert store.read_table(m.uri).to_pylist()[0]["rejected"] == "bad ."
+
+
+def test_a_rerun_reads_no_input_data(tmp_path):
+    """The skip is decided from manifests alone: resuming on a new machine downloads nothing it won't use."""
+    uri = str(tmp_path / "scored")
+    w = store.ArtifactWriter(uri, "score", {"t": "skip"})
+    w.begin()
+    w.write_table("scored.parquet", data.to_table(
+        [{"prompt": "p", "response": r, "sample_index": i, "reward": rw}
+         for i, (r, rw) in enumerate([("good .", 1.0), ("bad .", -1.0)])], "scored"))
+    w.commit()
+    cfg = filter_stage.Config(scored_uri=uri, method="iter_dpo", output_uri=str(tmp_path / "pairs"))
+    first = filter_stage.run(cfg)
+    (tmp_path / "scored" / "scored.parquet").unlink()
+    assert filter_stage.run(cfg).created_at == first.created_at
