@@ -71,8 +71,8 @@ class Config(StageConfig):
         return v
 
 
-def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[store.Manifest]]:
-    """Prompt rows (prompt, label) after max_samples and the iter slice, with their sources' lineage."""
+def load_prompts(cfg: Config, tokenizer) -> list[dict]:
+    """Prompt rows (prompt, label) after max_samples and the iter slice."""
     uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
     if len(uris) == 1 and store.committed_any(uris[0], cfg.storage_options):
         table = store.read_table(uris[0], storage_options=cfg.storage_options)
@@ -83,7 +83,6 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[store.Manifes
                           apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template)
         raw = data.load_mixture(uris, cfg.prompt_data_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
         rows = data.prompt_rows(raw, fmt, tokenizer)
-    lineage = [store.source_manifest(u, cfg.storage_options) for u in uris]
     total = len(rows)
     if cfg.iter is not None:
         start = cfg.iter * cfg.rollout_batch_size
@@ -93,16 +92,24 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[dict], list[store.Manifes
                                  f" of {total} prompts is empty")
     if not rows:
         raise data.DataError(f"{cfg.prompts_uri}: the prompt set is empty")
-    return rows, lineage
+    return rows
 
 
 def run(cfg: Config) -> store.Manifest:
     from transformers import AutoTokenizer
 
-    # 1. inputs, checked before any work
-    policy_dir, policy_m = model_input(cfg.policy_uri, cfg.storage_options)
+    # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to fetch or read
+    uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
+    inputs = {"policy": store.source_manifest(cfg.policy_uri, cfg.storage_options),
+              **{f"prompts{k or ''}": store.source_manifest(u, cfg.storage_options) for k, u in enumerate(uris)}}
+    w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
+    if (done := w.existing()):
+        return done
+
+    # 2. inputs, checked before any work
+    policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
     tok = AutoTokenizer.from_pretrained(str(policy_dir))
-    rows, lineage = load_prompts(cfg, tok)
+    rows = load_prompts(cfg, tok)
     prompt_ids, truncated = [], 0
     for i, r in enumerate(rows):
         ids = tok(r["prompt"], add_special_tokens=False).input_ids
@@ -114,11 +121,6 @@ def run(cfg: Config) -> store.Manifest:
             r["prompt"] = tok.decode(ids)
         prompt_ids.append(ids)
 
-    # 2. same inputs and config as a committed output: nothing to do
-    inputs = {"policy": policy_m, **{f"prompts{k or ''}": m for k, m in enumerate(lineage)}}
-    w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
-    if (done := w.existing()):
-        return done
     w.begin()
 
     # 3. sample
