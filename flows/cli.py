@@ -102,8 +102,8 @@ def show(uri: str) -> str:
     if fs.exists(report):
         with fs.open(report) as f:
             rep = json.load(f)
-        out.append(f"run {uri}: {rep.get('flow')} — {len(rep.get('iterations', []))} iterations, "
-                   f"stop reason: {rep.get('stop_reason')}")
+        done = max((it["iteration"] for it in rep.get("iterations", [])), default=0)  # row 0 = before the loop
+        out.append(f"run {uri}: {rep.get('flow')} — {done} iterations, stop reason: {rep.get('stop_reason')}")
         for it in rep.get("iterations", []):
             out.append("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in it.items() if not isinstance(v, dict)))

@@ -32,6 +32,11 @@ def test_iterative_dpo_raises_gold_reward_on_s3(demo_run):
     assert saved["iterations"][2]["gold_reward"] == pytest.approx(gold[2])
     assert fs.cat_file(f"{path}/reward.png")[:4] == b"\x89PNG"
     assert not fs.exists(f"{path}/_LOCK.json")
+    from flows.cli import show
+
+    text = show(demo_run.run)  # `rlhf-flows show RUN`: iterations, then every artifact with its inputs
+    assert text.startswith(f"run {demo_run.run}: iterative-dpo — 2 iterations, stop reason: completed all iterations")
+    assert "iter-2/dpo" in text and "iter-1/dpo" in text.split("iter-2/dpo", 1)[1].splitlines()[0]
 
 
 def test_iterative_dpo_publishes_prefect_artifacts(demo_run):
