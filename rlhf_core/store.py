@@ -90,6 +90,9 @@ def storage_options_for(uri: str, storage_options: dict | None = None) -> dict:
         config_kwargs = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}
         config_kwargs.update(opts.pop("config_kwargs", {}) or {})
         opts["config_kwargs"] = config_kwargs
+        # fsspec reuses one filesystem per settings (one S3 client, not one per call), but its listing cache
+        # never expires and other processes (training jobs, Ray actors, a rerun elsewhere) write here too.
+        opts.setdefault("use_listings_cache", False)
     return opts
 
 

@@ -120,3 +120,18 @@ def test_unreachable_endpoint_fails_fast_without_leaking_credentials(monkeypatch
 def test_redact_hides_secrets(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
     assert store.redact("denied for s3cr3t-value and k3y-xyz", {"key": "k3y-xyz"}) == "denied for *** and ***"
+
+
+def test_objects_written_by_another_process_are_seen(s3_root):
+    """The cached S3 filesystem must not serve stale listings: training jobs and Ray actors write to the
+    store from other processes while the flow process polls it."""
+    import subprocess
+    import sys
+
+    fs, path = store.filesystem(s3_root)
+    fs.pipe_file(f"{path}/ckpt/a", b"1")
+    assert [p.rsplit("/", 1)[1] for p in fs.glob(f"{path}/ckpt/*")] == ["a"]  # listing now known to this process
+    code = (f"from rlhf_core import store; fs, p = store.filesystem({s3_root!r}); fs.pipe_file(p + '/ckpt/b', b'2')")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert [p.rsplit("/", 1)[1] for p in fs.glob(f"{path}/ckpt/*")] == ["a", "b"]
+    assert store.filesystem(s3_root)[0].exists(f"{path}/ckpt/b")
