@@ -8,13 +8,20 @@ from stages.common import ConfigError, load_config
 REWARDS = {"p1": [0.1, 0.8, 0.3], "p2": [0.5, 0.5, 0.5], "p3": [-1.0, 2.0, 0.0]}
 
 
-def scored(s3_root, spec=REWARDS, name="scored"):
-    rows = [{"prompt": p, "response": f"{p}-r{i}", "sample_index": i, "reward": r}
-            for p, rs in spec.items() for i, r in enumerate(rs)]
-    w = store.ArtifactWriter(f"{s3_root}/{name}", "score", {"t": name})
+def commit_scored(root, rows, name="scored"):
+    w = store.ArtifactWriter(f"{root}/{name}", "score", {"t": name, "rows": rows})
     w.begin()
     w.write_table("scored.parquet", data.to_table(rows, "scored"))
     return w.commit().uri
+
+
+def scored(s3_root, spec=REWARDS, name="scored"):
+    return commit_scored(s3_root, [{"prompt": p, "response": f"{p}-r{i}", "sample_index": i, "reward": r}
+                                   for p, rs in spec.items() for i, r in enumerate(rs)], name)
+
+
+def one_prompt(responses_rewards):
+    return [{"prompt": "p", "response": r, "sample_index": i, "reward": rw} for i, (r, rw) in enumerate(responses_rewards)]
 
 
 def test_iter_dpo_pairs_drop_ties_and_rerun(s3_root):
@@ -70,13 +77,7 @@ def test_uncommitted_input_is_refused(s3_root):
 
 
 def test_empty_responses_never_become_training_targets(tmp_path):
-    uri = str(tmp_path / "scored")
-    w = store.ArtifactWriter(uri, "score", {"t": "empty"})
-    w.begin()
-    w.write_table("scored.parquet", data.to_table(
-        [{"prompt": "p", "response": r, "sample_index": i, "reward": rw}
-         for i, (r, rw) in enumerate([("good .", 1.0), ("", -2.0), ("bad .", -1.0)])], "scored"))
-    w.commit()
+    uri = commit_scored(tmp_path, one_prompt([("good .", 1.0), ("", -2.0), ("bad .", -1.0)]))
     m = filter_stage.run(filter_stage.Config(scored_uri=uri, method="iter_dpo", output_uri=str(tmp_path / "pairs")))
     assert m.metrics["dropped_empty"] == 1 and m.rows == 1
     assert store.read_table(m.uri).to_pylist()[0]["rejected"] == "bad ."
@@ -84,13 +85,7 @@ def test_empty_responses_never_become_training_targets(tmp_path):
 
 def test_a_rerun_reads_no_input_data(tmp_path):
     """The skip is decided from manifests alone: resuming on a new machine downloads nothing it won't use."""
-    uri = str(tmp_path / "scored")
-    w = store.ArtifactWriter(uri, "score", {"t": "skip"})
-    w.begin()
-    w.write_table("scored.parquet", data.to_table(
-        [{"prompt": "p", "response": r, "sample_index": i, "reward": rw}
-         for i, (r, rw) in enumerate([("good .", 1.0), ("bad .", -1.0)])], "scored"))
-    w.commit()
+    uri = commit_scored(tmp_path, one_prompt([("good .", 1.0), ("bad .", -1.0)]))
     cfg = filter_stage.Config(scored_uri=uri, method="iter_dpo", output_uri=str(tmp_path / "pairs"))
     first = filter_stage.run(cfg)
     (tmp_path / "scored" / "scored.parquet").unlink()
