@@ -29,8 +29,8 @@ SCHEMAS: dict[str, dict[str, pa.DataType]] = {
                "finish_reason": pa.string(), "logprob": pa.float64()},
     "pairs": {"prompt": pa.string(), "chosen": pa.string(), "rejected": pa.string(), "chosen_reward": pa.float64(),
               "rejected_reward": pa.float64(), "margin": pa.float64(), "ref_chosen_logp": pa.float64(),
-              "ref_rejected_logp": pa.float64()},
-    "sft": {"input": pa.string(), "output": pa.string(), "reward": pa.float64()},
+              "ref_rejected_logp": pa.float64(), "chosen_finished": pa.bool_(), "rejected_finished": pa.bool_()},
+    "sft": {"input": pa.string(), "output": pa.string(), "reward": pa.float64(), "finished": pa.bool_()},
 }
 REQUIRED = {
     "prompts": ("prompt",),

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_core import models
+
 log = logging.getLogger("rlhf_flows")
 
 BACKENDS = ("hf", "vllm")
@@ -60,6 +62,7 @@ class EngineSpec:
 
 
 def _local_model(model: str, storage_options: dict) -> str:
+    """A local folder for `model` (a folder, a committed artifact or a plain HF folder on any URI)."""
     if Path(str(model)).is_dir():
         return str(model)
     from rlhf_core import store
@@ -94,8 +97,8 @@ class HFEngine:
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(engine.dtype)).to(self.device).eval()
         self.batch_size = engine.batch_size
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.eos_id = self.tok.eos_token_id
+        self.eos_ids = models.eos_ids(self.tok, path)  # every stop id (Llama-3: <|end_of_text|> and <|eot_id|>)
+        self.pad_id = models.pad_id(self.tok, path)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingSpec, logprobs: bool = True) -> list[list[dict]]:
         import torch
@@ -118,7 +121,7 @@ class HFEngine:
                 temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
                 top_k=None if greedy else params.top_k,  # 0 = off (HF's default would be 50)
                 repetition_penalty=params.repetition_penalty,
-                pad_token_id=self.pad_id, eos_token_id=self.eos_id, return_dict_in_generate=True,
+                pad_token_id=self.pad_id, eos_token_id=self.eos_ids, return_dict_in_generate=True,
                 output_logits=logprobs)
             new = gen.sequences[:, width:].cpu()  # (B*n, L)
             if logprobs:  # raw logits per step -> log p(sampled token)
@@ -126,7 +129,7 @@ class HFEngine:
                 tok_lp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()  # (B*n, L)
             for r in range(new.shape[0]):
                 seq = new[r].tolist()
-                stop = seq.index(self.eos_id) + 1 if self.eos_id in seq else None
+                stop = next((t + 1 for t, x in enumerate(seq) if x in self.eos_ids), None)
                 toks = seq[:stop] if stop else seq
                 n_tok = len(toks)
                 out_i = idx[r // params.n]
@@ -150,7 +153,11 @@ class VLLMEngine:
 
         cuda = _cuda()
         dtype = engine.dtype if engine.dtype != "auto" else ("bfloat16" if cuda else "float32")
-        kwargs = dict(model=_local_model(model, engine.storage_options), dtype=dtype,
+        path = _local_model(model, engine.storage_options)
+        from transformers import AutoTokenizer
+
+        self.eos_ids = models.eos_ids(AutoTokenizer.from_pretrained(path), path)
+        kwargs = dict(model=path, dtype=dtype,
                       tensor_parallel_size=engine.tensor_parallel_size,
                       enable_prefix_caching=engine.enable_prefix_caching, enforce_eager=not cuda, seed=0)
         if cuda:
@@ -168,6 +175,7 @@ class VLLMEngine:
         sps = [SamplingParams(n=params.n, temperature=0.0 if greedy else params.temperature, top_p=params.top_p,
                               top_k=params.top_k, max_tokens=params.max_new_tokens,
                               repetition_penalty=params.repetition_penalty, seed=params.seed + first_index + i,
+                              stop_token_ids=self.eos_ids,
                               logprobs=0 if logprobs else None)
                for i in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sps, use_tqdm=False)
@@ -263,11 +271,8 @@ def generate(model: str, prompt_ids: list[list[int]], params: SamplingSpec, back
 
 
 def model_input(uri: str, storage_options: dict | None = None):
-    """(local folder, lineage manifest) for a model given as a committed artifact or a plain HF folder."""
+    """(local folder, lineage manifest) for a model given as a committed artifact or a plain HF folder on any URI."""
     from rlhf_core import store
 
-    if store.committed_any(uri, storage_options):
-        return store.fetch_model(uri, storage_options), store.read_manifest(uri, storage_options=storage_options)
-    if not Path(str(uri)).is_dir():
-        raise FileNotFoundError(f"model {uri} is neither a committed artifact nor a local HF folder")
-    return Path(str(uri)), store.source_manifest(uri, storage_options)
+    m = store.model_manifest(uri, storage_options)
+    return store.fetch_model(uri, storage_options, manifest=m), m

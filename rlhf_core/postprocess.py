@@ -68,6 +68,14 @@ def drop_empty(rows: list[dict], stats: FilterStats | None = None) -> list[dict]
     return out
 
 
+def finished(row: dict, prefix: str = "") -> dict:
+    """{prefix + "finished": False} for a response cut at the length limit (training then appends no EOS to
+    it), True for one that stopped; {} for rows that carry no finish_reason."""
+    if "finish_reason" not in row:
+        return {}
+    return {f"{prefix}finished": row["finish_reason"] != "length"}
+
+
 def best_of_n(rows: list[dict], top_k: int = 1) -> list[dict]:
     """SFT rows {input, output, reward}: the top_k highest-reward responses of each prompt, best first
     (equal rewards keep input order, as OpenRLHF keeps the first maximum)."""
@@ -76,7 +84,7 @@ def best_of_n(rows: list[dict], top_k: int = 1) -> list[dict]:
     out = []
     for prompt, group in group_by_prompt(rows).items():
         best = sorted(group, key=lambda r: -r["reward"])[:top_k]  # stable sort: first max wins ties
-        out += [{"input": prompt, "output": r["response"], "reward": float(r["reward"])} for r in best]
+        out += [{"input": prompt, "output": r["response"], "reward": float(r["reward"]), **finished(r)} for r in best]
     return out
 
 
@@ -97,7 +105,7 @@ def dpo_pairs(rows: list[dict], stats: FilterStats | None = None) -> list[dict]:
             continue
         out.append({"prompt": prompt, "chosen": hi["response"], "rejected": lo["response"],
                     "chosen_reward": float(hi["reward"]), "rejected_reward": float(lo["reward"]),
-                    "margin": float(hi["reward"] - lo["reward"])})
+                    "margin": float(hi["reward"] - lo["reward"]), **finished(hi, "chosen_"), **finished(lo, "rejected_")})
     return out
 
 
@@ -124,7 +132,7 @@ def conditional_sft(rows: list[dict], normalize_rewards: bool = False, template:
         rewards = normalize(rewards)
     # str.replace, not format(): prompts may contain braces
     return [{"input": template.replace("{reward}", f"{rw:.2f}").replace("{input}", r["prompt"]),
-             "output": r["response"], "reward": rw} for r, rw in zip(rows, rewards)]
+             "output": r["response"], "reward": rw, **finished(r)} for r, rw in zip(rows, rewards)]
 
 
 def mean(xs: list[float]) -> float | None:

@@ -6,7 +6,8 @@
 Sources (exactly one per RewardSpec):
   model       a reward-model folder or committed artifact: AutoModelForSequenceClassification with one label,
               or an OpenRLHF-style backbone + linear value head (`{value_head_prefix}.weight`). The text
-              prompt+response (+ EOS, as OpenRLHF's reward datasets append it) is scored at its last token:
+              prompt, response (+ EOS, as OpenRLHF's reward datasets append it) is tokenized exactly as train_rm
+              tokenized its pairs (rlhf_core.train.batches.Encoder) and scored at its last token:
               left padding puts every last real token at position -1, and position ids follow the attention
               mask so padding never changes a score. Normalisation: (r - reward_mean) / reward_std when the
               model's config.json holds `reward_mean`/`reward_std` (written by train_rm), or OpenRLHF's
@@ -27,7 +28,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_core import store
+from rlhf_core import models, store
 from rlhf_core.generation import _local_model, _torch_dtype, _cuda, run_engines
 
 log = logging.getLogger("rlhf_flows")
@@ -44,7 +45,7 @@ class RewardSpec:
     remote_url: str | None = None
     value_head_prefix: str = "value_head"
     normalize: bool = True  # apply the mean/std stored in the reward model's config, when present
-    max_len: int = 1024  # tokens of prompt + response (+ EOS); longer texts keep their first max_len tokens
+    max_len: int = 1024  # tokens of prompt + response (+ EOS); longer texts are cut as train_rm cuts them
     append_eos: bool = True
     batch_size: int = 64
     dtype: str = "auto"
@@ -105,6 +106,8 @@ class RMEngine:
         import torch
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
+        from rlhf_core.train.batches import Encoder
+
         path = _local_model(model, spec.storage_options)
         kind = check_reward_model(path, spec.value_head_prefix)
         self.device = "cuda" if _cuda() else "cpu"
@@ -129,13 +132,12 @@ class RMEngine:
         self.head.to(self.device).eval()
         self.stats = _norm_stats(AutoConfig.from_pretrained(path)) if spec.normalize else None
         self.spec = spec
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.pad_id = models.pad_id(self.tok, path)
+        # The tokenization train_rm trained on (rlhf_core.train.batches.Encoder): the same tokens at serve time.
+        self.encoder = Encoder(self.tok, spec.max_len, "truncate", path)
 
     def encode(self, prompt: str, response: str) -> list[int]:
-        ids = self.tok(prompt + response, add_special_tokens=False).input_ids
-        if self.spec.append_eos and self.tok.eos_token_id is not None and (not ids or ids[-1] != self.tok.eos_token_id):
-            ids = ids[:self.spec.max_len - 1] + [self.tok.eos_token_id]
-        return ids[:self.spec.max_len]
+        return self.encoder(prompt, response, finished=self.spec.append_eos)[0]
 
     def forward(self, batch: list[list[int]]):
         """Raw rewards of a batch of token-id lists (left padded; position ids from the mask). (B,)"""

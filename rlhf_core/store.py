@@ -12,10 +12,12 @@ a log line or an error message (see `redact`).
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -313,18 +315,100 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLHF_FLOWS_CACHE", Path.home() / ".cache" / "rlhf-flows"))
 
 
-def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tuple[str, ...] | None = None) -> Path:
-    """A local directory holding the committed model artifact at `uri`, downloaded once per machine
-    into a cache keyed by fingerprint (local artifacts are used in place)."""
-    m = read_manifest(uri, stage, storage_options)
+# ---------------------------------------------------------------------------------------------- model inputs
+class ModelInputError(ArtifactError):
+    """A model input that cannot be used (a hub id, a folder lacking config, weights or tokenizer)."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _sha256_file(path: str) -> str:
+    """sha256 of a local file, remembered under the cache by (path, size, mtime) so an 8B folder is hashed
+    once per machine, not once per stage."""
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_root() / "sha256" / key
+    if memo.exists():
+        return memo.read_text()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(h.hexdigest())
+    return h.hexdigest()
+
+
+def _content_id(fs, name: str, info: dict) -> str:
+    """A content hash of one file: sha256 for local files, the object store's ETag (an MD5 of the content,
+    or of its parts) where there is one, else sha256 of the bytes."""
+    if isinstance(fs, LocalFileSystem):
+        return "sha256:" + _sha256_file(name)
+    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+    if etag:
+        return f"etag:{str(etag).strip(chr(34))}"
+    h = hashlib.sha256()
+    with fs.open(name, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def model_manifest(uri: str, storage_options: dict | None = None) -> Manifest:
+    """Lineage entry of a model input: its manifest if it is a committed artifact, else a plain Hugging Face
+    folder (what `save_pretrained` writes) on any fsspec URI, checked up front and entered as a `source`
+    whose fingerprint hashes its files' content: a changed folder changes every downstream fingerprint."""
+    uri = str(uri)
+    if committed_any(uri, storage_options):
+        return read_manifest(uri, storage_options=storage_options)
+    if "://" not in uri and _HUB_ID.match(uri) and not Path(uri).exists():
+        raise ModelInputError(f"model {uri!r} looks like a Hugging Face hub id: there is no hub access here; "
+                              f"download it and pass the folder (a local path or s3://...)")
+    fs, path = filesystem(uri, storage_options)
+    if not fs.isdir(path):
+        raise ModelInputError(f"model {uri} is neither a committed artifact nor a folder (it does not exist)")
+    root = path.rstrip("/")
+    infos = {n[len(root) + 1:]: i for n, i in fs.find(root, detail=True).items()
+             if not any(part.startswith(".") for part in n[len(root) + 1:].split("/"))}  # skip .cache/ and the like
+    names = set(infos)
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json")
+    if not any(fnmatch.fnmatch(n, pat) for n in names for pat in WEIGHTS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not names & set(TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({', '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise ModelInputError(f"model folder {uri} has no {' and no '.join(missing)}: pass a folder written by "
+                              f"save_pretrained (model and tokenizer)")
+    content = [[rel, infos[rel].get("size"), _content_id(fs, join(root, rel), infos[rel])] for rel in sorted(infos)]
+    return Manifest(stage="source", fingerprint=fingerprint("model-folder", {"files": content}), uri=uri,
+                    files=[{"path": rel, "size": size} for rel, size, _ in content], config={"content": content})
+
+
+def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tuple[str, ...] | None = None,
+                manifest: Manifest | None = None) -> Path:
+    """A local directory holding the model at `uri` (a committed artifact or a plain HF folder), downloaded
+    once per machine into a cache keyed by content: a plain folder's content hash, or a committed
+    artifact's fingerprint + created_at + file list (a rewritten artifact gets a new entry). Local inputs are
+    used in place."""
+    m = manifest or model_manifest(uri, storage_options)
+    stages = (stage,) if isinstance(stage, str) else stage
+    if stages and m.stage != "source" and m.stage not in stages:
+        raise StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")
     fs, path = filesystem(uri, storage_options)
     if isinstance(fs, LocalFileSystem):
         return Path(path)
-    dest = cache_root() / "models" / m.fingerprint
+    key = m.fingerprint if m.stage == "source" else hashlib.sha256(json.dumps(
+        [m.fingerprint, m.created_at, m.files], sort_keys=True).encode()).hexdigest()[:24]
+    dest = cache_root() / "models" / key
     if (dest / MANIFEST).exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{m.fingerprint}-"))
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
     try:
         for f in m.files:
             target = tmp / f["path"]

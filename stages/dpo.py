@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from rlhf_core import data, store
+from rlhf_core import data, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, tokenizer_id, train_and_commit
 from stages.common import ConfigError, StageConfig, stage_task
@@ -21,7 +21,7 @@ REF_COLUMNS = ("ref_chosen_logp", "ref_rejected_logp")
 
 
 class Config(StageConfig, TrainFields):
-    policy_uri: str = Field(description="Committed policy to train (usually the reference model too).")
+    policy_uri: str = Field(description="Policy to train: committed artifact or plain HF folder (usually the reference model too).")
     beta: float = Field(0.1, gt=0, description="KL strength beta of DPO.")
     loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss: sigmoid (DPO) or ipo.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO: assumed probability that a label is flipped.")
@@ -32,20 +32,18 @@ class Config(StageConfig, TrainFields):
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    policy = store.read_manifest(cfg.policy_uri, storage_options=cfg.storage_options)
+    policy = store.model_manifest(cfg.policy_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "dpo", cfg.semantic(), {"policy": policy, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    from transformers import AutoTokenizer
-
     pairs = store.read_manifest(cfg.dataset_uri, "reference", cfg.storage_options)  # pairs + reference log-probs
     table = store.read_table(cfg.dataset_uri, storage_options=cfg.storage_options)
     data.validate_table(table, "pairs", cfg.dataset_uri)
     if missing := [c for c in REF_COLUMNS if c not in table.column_names]:
         raise data.DataError(f"{cfg.dataset_uri}: pairs lack {missing}: run the reference stage on them first")
-    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
+    tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     if (ref_tok := pairs.metrics.get("tokenizer_id")) != tokenizer_id(tok):
         raise ConfigError(f"policy {cfg.policy_uri} and the reference model of {cfg.dataset_uri} use different "
                           f"tokenizers ({tokenizer_id(tok)} vs {ref_tok}): their log-probs are not comparable")
@@ -53,7 +51,8 @@ def run(cfg: Config) -> store.Manifest:
         raise ConfigError(f"dpo max_len/overlong ({cfg.max_len}, {cfg.overlong}) differ from the reference pass of "
                           f"{cfg.dataset_uri} ({pairs.metrics.get('max_len')}, {pairs.metrics.get('overlong')})")
     rows = table.to_pylist()[: cfg.max_samples] if cfg.max_samples else table.to_pylist()
-    records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, extra=REF_COLUMNS)
+    records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, extra=REF_COLUMNS,
+                                            model_dir=model_dir)
     spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef")}
     return train_and_commit(cfg, w, "dpo", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut})
 

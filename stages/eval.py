@@ -14,7 +14,7 @@ import statistics
 import pyarrow as pa
 from pydantic import Field
 
-from rlhf_core import store
+from rlhf_core import models, store
 from rlhf_core.generation import EngineSpec, SamplingSpec, generate, model_input
 from rlhf_core.rewards import RewardSpec, compute_rewards
 from stages.common import StageConfig, stage_task
@@ -42,8 +42,6 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def run(cfg: Config) -> store.Manifest:
-    from transformers import AutoTokenizer
-
     if not cfg.reward_model_uri and not cfg.gold_reward_file:
         raise ValueError("eval needs reward_model_uri or gold_reward_file (or both)")
     policy_dir, policy_m = model_input(cfg.policy_uri, cfg.storage_options)
@@ -62,8 +60,8 @@ def run(cfg: Config) -> store.Manifest:
         if "{prompt}" not in cfg.prompt_template:
             raise ValueError(f"eval prompt_template {cfg.prompt_template!r} has no {{prompt}} placeholder")
         rows = [{**r, "prompt": cfg.prompt_template.replace("{prompt}", r["prompt"])} for r in rows]
-    tok = AutoTokenizer.from_pretrained(str(policy_dir))
-    ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
+    tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)
+    ids = [models.prompt_ids(tok, r["prompt"]) for r in rows]
     params = SamplingSpec(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     outs = generate(str(policy_dir), ids, params, cfg.backend, cfg.num_engines,

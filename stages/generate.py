@@ -15,13 +15,13 @@ import time
 
 from pydantic import Field, field_validator
 
-from rlhf_core import data, store
-from rlhf_core.generation import BACKENDS, EngineSpec, SamplingSpec, generate, model_input
+from rlhf_core import data, models, store
+from rlhf_core.generation import BACKENDS, EngineSpec, SamplingSpec, generate
 from stages.common import StageConfig, stage_task
 
 
 class Config(StageConfig):
-    policy_uri: str = Field(description="Policy model: committed model artifact or local HF folder.")
+    policy_uri: str = Field(description="Policy model: committed model artifact or plain HF folder on any URI.")
     prompts_uri: str = Field(description="Committed `prompts` artifact, or raw sources (json/jsonl/csv/parquet, "
                                          "comma-separated) in OpenRLHF format.")
     prompt_data_probs: str | None = Field(None, description="Mixing probabilities of the raw sources, e.g. '0.7,0.3'.")
@@ -29,6 +29,8 @@ class Config(StageConfig):
     label_key: str | None = Field(None, description="Raw sources: key passed through as `label` (for reward_func).")
     apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
     input_template: str | None = Field(None, description="Format prompts as input_template.format(prompt).")
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template replacing the tokenizer's "
+                                                "(OpenRLHF --tokenizer_chat_template).")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many prompts (before `iter` slicing).")
     iter: int | None = Field(None, ge=0, description="OpenRLHF --iter: use prompts [iter*R, (iter+1)*R).")
     rollout_batch_size: int = Field(2048, ge=1, description="R in the `iter` slice.")
@@ -96,23 +98,22 @@ def load_prompts(cfg: Config, tokenizer) -> list[dict]:
 
 
 def run(cfg: Config) -> store.Manifest:
-    from transformers import AutoTokenizer
-
     # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to fetch or read
     uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
-    inputs = {"policy": store.source_manifest(cfg.policy_uri, cfg.storage_options),
+    policy_m = store.model_manifest(cfg.policy_uri, cfg.storage_options)
+    inputs = {"policy": policy_m,
               **{f"prompts{k or ''}": store.source_manifest(u, cfg.storage_options) for k, u in enumerate(uris)}}
     w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
 
     # 2. inputs, checked before any work
-    policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
-    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    policy_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy_m)
+    tok = models.load_tokenizer(policy_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     rows = load_prompts(cfg, tok)
-    prompt_ids, truncated = [], 0
+    prompt_ids, truncated, bos = [], 0, models.adds_bos(tok)
     for i, r in enumerate(rows):
-        ids = tok(r["prompt"], add_special_tokens=False).input_ids
+        ids = models.prompt_ids(tok, r["prompt"], bos)  # one BOS, also under a chat template that writes it
         if len(ids) > cfg.prompt_max_len:
             if cfg.prompt_overflow == "reject":
                 raise data.DataError(f"{cfg.prompts_uri} prompt {i}: {len(ids)} tokens > prompt_max_len "

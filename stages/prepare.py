@@ -32,7 +32,9 @@ class Config(StageConfig):
     rejected_key: str = Field("rejected", description="Rejected column of preference data.")
     apply_chat_template: bool = Field(False, description="Format with the tokenizer's chat template.")
     input_template: str | None = Field(None, description='e.g. "User: {}\\nAssistant: "')
-    tokenizer_uri: str | None = Field(None, description="Model artifact whose tokenizer formats chat templates.")
+    tokenizer_uri: str | None = Field(None, description="Model (artifact or plain HF folder) whose tokenizer formats chat templates.")
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template replacing the tokenizer's "
+                                                "(OpenRLHF --tokenizer_chat_template).")
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -43,16 +45,17 @@ def run(cfg: Config) -> store.Manifest:
     sources = [s.strip() for s in cfg.data.split(",") if s.strip()]
     inputs = {f"source{i}": store.source_manifest(s, cfg.storage_options) for i, s in enumerate(sources)}
     if cfg.tokenizer_uri:
-        inputs["tokenizer"] = store.read_manifest(cfg.tokenizer_uri, storage_options=cfg.storage_options)
+        inputs["tokenizer"] = store.model_manifest(cfg.tokenizer_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "prepare", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
 
     tokenizer = None
     if cfg.tokenizer_uri:
-        from transformers import AutoTokenizer
+        from rlhf_core import models
 
-        tokenizer = AutoTokenizer.from_pretrained(str(store.fetch_model(cfg.tokenizer_uri, cfg.storage_options)))
+        tok_dir = store.fetch_model(cfg.tokenizer_uri, cfg.storage_options, manifest=inputs["tokenizer"])
+        tokenizer = models.load_tokenizer(tok_dir, cfg.tokenizer_chat_template, cfg.tokenizer_uri)
     raw = data.load_mixture(sources, cfg.data_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
     fmt = data.Format(**cfg.model_dump(include=set(data.Format.__dataclass_fields__)))
     rows = {"prompts": data.prompt_rows, "sft": data.sft_rows, "pairs": data.pair_rows}[cfg.kind](raw, fmt, tokenizer)

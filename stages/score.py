@@ -16,14 +16,13 @@ import time
 from pydantic import Field, model_validator
 
 from rlhf_core import data, store
-from rlhf_core.generation import model_input
 from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
 from stages.common import StageConfig, stage_task
 
 
 class Config(StageConfig):
     samples_uri: str = Field(description="Committed `samples` artifact (from generate).")
-    reward_model_uri: str | None = Field(None, description="Reward model: committed artifact or local HF folder.")
+    reward_model_uri: str | None = Field(None, description="Reward model: committed artifact or plain HF folder on any URI.")
     reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels).")
     remote_rm_url: str | None = Field(None, description="HTTP reward server (POST query/prompts/labels -> rewards).")
     value_head_prefix: str = Field("value_head", description="OpenRLHF value-head weight name in the reward model.")
@@ -52,7 +51,7 @@ def run(cfg: Config) -> store.Manifest:
     # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to read or load
     inputs = {"samples": store.read_manifest(cfg.samples_uri, storage_options=cfg.storage_options)}
     if cfg.reward_model_uri:
-        inputs["reward_model"] = store.source_manifest(cfg.reward_model_uri, cfg.storage_options)
+        inputs["reward_model"] = store.model_manifest(cfg.reward_model_uri, cfg.storage_options)
     elif cfg.reward_func_path:
         inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "score", cfg.semantic(), inputs, cfg.storage_options)
@@ -67,7 +66,7 @@ def run(cfg: Config) -> store.Manifest:
         raise data.DataError(f"{cfg.samples_uri}: no samples to score")
     model = None
     if cfg.reward_model_uri:
-        rm_dir, _ = model_input(cfg.reward_model_uri, cfg.storage_options)
+        rm_dir = store.fetch_model(cfg.reward_model_uri, cfg.storage_options, manifest=inputs["reward_model"])
         check_reward_model(rm_dir, cfg.value_head_prefix)
         model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
     elif cfg.reward_func_path:

@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 from pydantic import Field
-from rlhf_core import data, store
+from rlhf_core import data, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import StageConfig, stage_task
 
 
 class Config(StageConfig, TrainFields):
-    policy_uri: str = Field(description="Committed model artifact to fine-tune (OpenRLHF --pretrain).")
+    policy_uri: str = Field(description="Model to fine-tune: a committed artifact or a plain HF folder on any URI (OpenRLHF --pretrain).")
     input_key: str = Field("input", description="Prompt key of raw rows.")
     output_key: str | None = Field("output", description="Response key of raw rows (None: last assistant message).")
     pretrain_mode: bool = Field(False, description="Loss on all tokens, prompt included.")
@@ -28,19 +28,18 @@ class Config(StageConfig, TrainFields):
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    model = store.read_manifest(cfg.policy_uri, storage_options=cfg.storage_options)
+    model = store.model_manifest(cfg.policy_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "sft", cfg.semantic(), {"policy": model, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    from transformers import AutoTokenizer
-
-    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=model)
+    tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
                       input_template=cfg.input_template)
     rows = load_rows(cfg, "sft", fmt, tok)
-    records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, cfg.pretrain_mode, cfg.overlong, where=cfg.dataset_uri)
+    records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, cfg.pretrain_mode, cfg.overlong, where=cfg.dataset_uri,
+                                        model_dir=model_dir)
     return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut})
 
 

@@ -11,14 +11,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from rlhf_core import data, store
+from rlhf_core import data, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import StageConfig, stage_task
 
 
 class Config(StageConfig, TrainFields):
-    base_uri: str = Field(description="Committed model to start from (a reward model or a causal LM; the head is new then).")
+    base_uri: str = Field(description="Model to start from, committed artifact or plain HF folder (a reward model, or a causal LM: the head is new then).")
     prompt_key: str | None = Field("prompt", description="Prompt key of raw rows.")
     chosen_key: str = Field("chosen", description="Chosen-response key of raw rows.")
     rejected_key: str = Field("rejected", description="Rejected-response key of raw rows.")
@@ -30,20 +30,18 @@ class Config(StageConfig, TrainFields):
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    base = store.read_manifest(cfg.base_uri, storage_options=cfg.storage_options)
+    base = store.model_manifest(cfg.base_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "train_rm", cfg.semantic(), {"base": base, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    from transformers import AutoTokenizer
-
-    model_dir = store.fetch_model(cfg.base_uri, cfg.storage_options)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model_dir = store.fetch_model(cfg.base_uri, cfg.storage_options, manifest=base)
+    tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.base_uri)
     fmt = data.Format(prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
                       apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template)
     rows = load_rows(cfg, "pairs", fmt, tok)
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri,
-                                          extra=("margin",) if cfg.use_margin else ())
+                                          extra=("margin",) if cfg.use_margin else (), model_dir=model_dir)
     return train_and_commit(cfg, w, "rm", records, model_dir, tok, {"loss": cfg.loss, "use_margin": cfg.use_margin},
                             {"rows": len(records), "truncated": cut})
 

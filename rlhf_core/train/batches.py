@@ -30,23 +30,53 @@ def _fit(prompt: list[int], response: list[int], max_len: int, overlong: str, wh
     return (prompt + response)[:max_len], True
 
 
+class Encoder:
+    """(prompt, response) -> token ids, the one tokenization of training (sft, rm, dpo, reference pass) and
+    reward-model scoring: prompt with one BOS (rlhf_core.models.prompt_ids), response without special tokens,
+    the tokenizer's EOS after a finished response only (a response cut at the length limit did not end
+    there), then cut to max_len by `_fit`. Prompt and response are tokenized apart, so the loss boundary
+    falls between tokens."""
+
+    def __init__(self, tok, max_len: int, overlong: str = "truncate", model_dir=None):
+        from rlhf_core import models
+
+        self.tok, self.max_len, self.overlong = tok, max_len, overlong
+        self.bos, self.eos = models.adds_bos(tok), models.eos_id(tok, model_dir)
+
+    def prompt(self, text: str) -> list[int]:
+        from rlhf_core import models
+
+        return models.prompt_ids(self.tok, text or "", self.bos)
+
+    def __call__(self, prompt: str | list[int], response: str, finished: bool | None = True,
+                 where: str = "") -> tuple[list[int], int, bool]:
+        """(ids, start of the response, whether it was cut)."""
+        p = self.prompt(prompt) if isinstance(prompt, str) else prompt
+        r = _ids(self.tok, response) + ([self.eos] if finished is not False else [])
+        ids, cut = _fit(p, r, self.max_len, self.overlong, where)
+        return ids, min(len(p), len(ids) - 1), cut
+
+
 def tokenize_sft(rows: list[dict], tok, max_len: int, pretrain_mode: bool = False, overlong: str = "truncate",
-                 where: str = "sft data") -> tuple[list[dict], int]:
-    """sft rows (input, output) -> {ids, start}: loss on ids[start:] (0 in pretrain_mode). Returns (records, n_cut)."""
+                 where: str = "sft data", model_dir=None) -> tuple[list[dict], int]:
+    """sft rows (input, output, finished?) -> {ids, start}: loss on ids[start:] (0 in pretrain_mode).
+    Returns (records, n_cut)."""
+    enc = Encoder(tok, max_len, overlong, model_dir)
     out, cut = [], 0
     for i, r in enumerate(rows):
         if not str(r["output"]).strip():
             raise DataError(f"{where} row {i}: key 'output' is empty")
-        prompt, resp = _ids(tok, r["input"]), _ids(tok, r["output"]) + [tok.eos_token_id]
-        ids, c = _fit(prompt, resp, max_len, overlong, f"{where} row {i}")
+        ids, start, c = enc(r["input"], r["output"], r.get("finished"), f"{where} row {i}")
         cut += c
-        out.append({"ids": ids, "start": 0 if pretrain_mode else min(len(prompt), len(ids) - 1)})
+        out.append({"ids": ids, "start": 0 if pretrain_mode else start})
     return out, cut
 
 
 def tokenize_pairs(rows: list[dict], tok, max_len: int, overlong: str = "truncate", where: str = "pairs data",
-                   extra: tuple[str, ...] = ()) -> tuple[list[dict], int]:
-    """pairs rows (prompt, chosen, rejected) -> {chosen_ids, chosen_start, rejected_ids, rejected_start, *extra}."""
+                   extra: tuple[str, ...] = (), model_dir=None) -> tuple[list[dict], int]:
+    """pairs rows (prompt, chosen, rejected, chosen_finished?, rejected_finished?) ->
+    {chosen_ids, chosen_start, rejected_ids, rejected_start, *extra}."""
+    enc = Encoder(tok, max_len, overlong, model_dir)
     out, cut = [], 0
     for i, r in enumerate(rows):
         for k in ("chosen", "rejected"):
@@ -54,12 +84,12 @@ def tokenize_pairs(rows: list[dict], tok, max_len: int, overlong: str = "truncat
                 raise DataError(f"{where} row {i}: key {k!r} is empty or missing (prompt-only rows cannot be trained on)")
         if r["chosen"] == r["rejected"]:
             raise DataError(f"{where} row {i}: 'chosen' and 'rejected' are identical ({r['chosen'][:40]!r})")
-        prompt = _ids(tok, r.get("prompt") or "")
+        prompt = enc.prompt(r.get("prompt") or "")
         rec = {}
         for k in ("chosen", "rejected"):
-            ids, c = _fit(prompt, _ids(tok, r[k]) + [tok.eos_token_id], max_len, overlong, f"{where} row {i} ({k})")
+            ids, start, c = enc(prompt, r[k], r.get(f"{k}_finished"), f"{where} row {i} ({k})")
             cut += c
-            rec[f"{k}_ids"], rec[f"{k}_start"] = ids, min(len(prompt), len(ids) - 1)
+            rec[f"{k}_ids"], rec[f"{k}_start"] = ids, start
         for k in extra:
             if r.get(k) is None:
                 raise DataError(f"{where} row {i}: key {k!r} is missing or null")

@@ -155,7 +155,10 @@ def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
             model.merge_and_unload().save_pretrained(str(out), safe_serialization=True)
     else:
         model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
-    AutoTokenizer.from_pretrained(spec["model_dir"]).save_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    if spec.get("tokenizer_chat_template"):
+        tok.chat_template = spec["tokenizer_chat_template"]
+    tok.save_pretrained(str(out))
 
 
 def main(spec_path: str) -> None:

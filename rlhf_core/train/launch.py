@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, model_validator
 
-from rlhf_core import data, jobs, store
+from rlhf_core import data, jobs, models, store
 from rlhf_core.train import checkpoints
 
 log = logging.getLogger("rlhf_flows")
@@ -30,6 +30,8 @@ class TrainFields(BaseModel):
     dataset_probs: str | None = Field(None, description="Mixing probabilities of comma-separated sources, e.g. '0.7,0.3'.")
     apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
     input_template: str | None = Field(None, description="e.g. 'User: {}\\nAssistant: ' (without chat template).")
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template replacing the tokenizer's "
+                                                "(OpenRLHF --tokenizer_chat_template); saved with the trained model.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows.")
     max_len: int = Field(512, ge=2, description="Max tokens of prompt + response.")
     overlong: Literal["truncate", "reject"] = Field("truncate", description="Samples longer than max_len: cut and count, or refuse.")
@@ -128,7 +130,7 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     resume_dir = checkpoints.download(meta, work / "resume", cfg.storage_options) if meta else None
     spec = {**{k: getattr(cfg, k) for k in SPEC_KEYS}, **extra_spec, "method": method, "model_dir": str(model_dir),
             "data_path": str(work / "data.parquet"), "work_dir": str(work), "ckpt_uri": ckpt_uri,
-            "storage_options": cfg.storage_options, "fingerprint": w.fingerprint, "pad_id": tokenizer.pad_token_id,
+            "storage_options": cfg.storage_options, "fingerprint": w.fingerprint, "pad_id": models.pad_id(tokenizer, model_dir),
             "resume_dir": str(resume_dir) if resume_dir else None, "resume_uri": meta["uri"] if meta else None,
             "step_sleep": cfg.debug_step_sleep}
     (work / "spec.json").write_text(json.dumps(spec, default=list))

@@ -1,0 +1,84 @@
+"""Tokenizer conventions of real checkpoints, in one place for training, generation and scoring.
+
+Real tokenizers differ from a toy's: Llama-3 and Mistral ship no pad token, Llama-3, Qwen2 and Phi-3 stop
+on a list of EOS ids (generation_config.json `eos_token_id: [...]`), chat templates live in
+`chat_template.jinja` and may already write the BOS token that the tokenizer would add again. The rules:
+  pad   the tokenizer's pad id, else its EOS id: padding is masked out of attention and never a loss target,
+        so any id is safe there; the EOS id is one the embeddings surely hold.
+  eos   every id in the tokenizer's eos_token_id and generation_config's eos_token_id (a list or one id);
+        generation stops on any of them; training appends the tokenizer's EOS to finished responses only.
+  bos   a prompt gets exactly one BOS: the tokenizer's own (when it adds one by default) unless the text
+        already starts with it (a chat template that writes `{{ bos_token }}`).
+  chat  `tokenizer_chat_template` (OpenRLHF's flag) replaces the tokenizer's template when given.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlhf_core.store import ModelInputError
+
+
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, where: str | None = None):
+    """The folder's tokenizer (chat template overridden when given), checked against the model's embeddings."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template:
+        tok.chat_template = chat_template
+    check_vocab(tok, model_dir, where or str(model_dir))
+    return tok
+
+
+def _config(model_dir: str | Path) -> dict:
+    p = Path(model_dir) / "config.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def check_vocab(tok, model_dir: str | Path, where: str) -> None:
+    """A tokenizer that can emit ids past the embedding table is refused (it would crash mid-training)."""
+    cfg = _config(model_dir)
+    rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if rows and len(tok) > int(rows):
+        raise ModelInputError(f"model {where}: its tokenizer has {len(tok)} tokens but the model's embeddings have "
+                              f"{rows} rows (config.json vocab_size): token ids >= {rows} have no embedding")
+
+
+def eos_ids(tok, model_dir: str | Path | None = None) -> list[int]:
+    """Every EOS id: the tokenizer's first, then generation_config.json's (an id or a list)."""
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    gen = Path(model_dir) / "generation_config.json" if model_dir else None
+    if gen is not None and gen.exists():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids += e if isinstance(e, list) else [e] if e is not None else []
+    out = list(dict.fromkeys(int(i) for i in ids))
+    if not out:
+        raise ModelInputError(f"model {model_dir}: no EOS token (the tokenizer has no eos_token and "
+                              f"generation_config.json names none)")
+    return out
+
+
+def eos_id(tok, model_dir: str | Path | None = None) -> int:
+    """The EOS appended to finished responses in training."""
+    return eos_ids(tok, model_dir)[0]
+
+
+def pad_id(tok, model_dir: str | Path | None = None) -> int:
+    return tok.pad_token_id if tok.pad_token_id is not None else eos_id(tok, model_dir)
+
+
+def adds_bos(tok) -> bool:
+    """Whether the tokenizer puts a BOS in front by default (Llama, Mistral, Phi-3 do; Qwen2 does not)."""
+    if tok.bos_token_id is None:
+        return False
+    ids = tok("a").input_ids
+    return bool(ids) and ids[0] == tok.bos_token_id
+
+
+def prompt_ids(tok, text: str, bos: bool | None = None) -> list[int]:
+    """Token ids of a prompt with exactly one BOS where the tokenizer uses one (see module docstring).
+    `bos`: the result of adds_bos(tok), passed by callers that tokenize many prompts."""
+    ids = tok(text, add_special_tokens=False).input_ids
+    if (adds_bos(tok) if bos is None else bos) and (not ids or ids[0] != tok.bos_token_id):
+        ids = [tok.bos_token_id] + ids
+    return ids
