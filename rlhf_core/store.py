@@ -382,7 +382,7 @@ def model_manifest(uri: str, storage_options: dict | None = None) -> Manifest:
     if not names & set(TOKENIZER_FILES):
         missing.append(f"a tokenizer ({', '.join(TOKENIZER_FILES)})")
     if missing:
-        raise ModelInputError(f"model folder {uri} has no {' and no '.join(missing)}: pass a folder written by "
+        raise ModelInputError(f"model folder {uri} lacks {' and '.join(missing)}: pass a folder written by "
                               f"save_pretrained (model and tokenizer)")
     content = [[rel, infos[rel].get("size"), _content_id(fs, join(root, rel), infos[rel])] for rel in sorted(infos)]
     return Manifest(stage="source", fingerprint=fingerprint("model-folder", {"files": content}), uri=uri,

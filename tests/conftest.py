@@ -123,3 +123,28 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """Tiny random models of every architecture in rlhf_core.tiny.ZOO (Llama-3, Qwen2, Mistral, Phi-3), with
+    tokenizers shaped like the real ones: {arch: SimpleNamespace(policy=dir, reward=dir)} as local plain
+    folders (no manifest)."""
+    from rlhf_core import demo_task, tiny as tiny_mod
+
+    root = tmp_path_factory.mktemp("zoo")
+    lines = demo_task.corpus(0)
+    return {arch: SimpleNamespace(policy=tiny_mod.build_zoo_model(root / arch / "policy", arch, lines, "policy", seed=0),
+                                  reward=tiny_mod.build_zoo_model(root / arch / "reward", arch, lines, "reward", seed=1))
+            for arch in tiny_mod.ZOO}
+
+
+def upload_folder(local: Path, uri: str) -> str:
+    """Copy a local folder to an fsspec URI as plain files (what `aws s3 sync` of a downloaded model gives)."""
+    from rlhf_core import store
+
+    fs, path = store.filesystem(uri)
+    for p in sorted(Path(local).rglob("*")):
+        if p.is_file():
+            fs.put_file(str(p), f"{path}/{p.relative_to(local).as_posix()}")
+    return uri
