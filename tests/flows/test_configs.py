@@ -1,0 +1,88 @@
+"""Shipped configs cannot rot: every file in configs/ loads into its flow's Params, every stage config in it
+validates, and the flow runs with the same keys scaled down by overrides: the models are plain Hugging
+Face folders (no manifest) on the moto S3 endpoint (`pretrain_uri`, `reward_uri`), sizes are tiny, one
+iteration, one process per job, engines in-process."""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows import common
+from flows.cli import FLOWS, cmd_run
+from rlhf_core import demo_task, store
+from stages.common import load_config
+from tests.conftest import upload_folder
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# Which flow each shipped config is for (its header's `rlhf-flows run FLOW` / `rlhf-flows demo` line).
+FLOW_OF = {"demo.yaml": "iterative-dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional-sft",
+           "iterative_dpo_llama3_8b.yaml": "iterative-dpo", "raft_llama3_8b.yaml": "raft"}
+SECTIONS = {"prepare": "prepare", "sft": "sft", "train_rm": "train_rm", "generate": "generate", "score": "score",
+            "filter": "filter", "eval": "eval", "reference": "reference", "dpo": "dpo", "sft_loop": "sft"}
+SMALL = {"max_len": 64, "prompt_max_len": 32, "max_new_tokens": 8, "train_batch_size": 2, "micro_train_batch_size": 2,
+         "num_gpus": 1, "num_nodes": 1, "num_engines": 0, "tensor_parallel_size": 1, "rollout_batch_size": 8,
+         "batch_size": 4, "best_of_n": 2, "backend": "hf", "max_epochs": 1, "samples_per_prompt": 2,
+         "launcher": "python"}
+
+
+def test_every_config_file_is_known_and_validates():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(FLOW_OF), "map a new config to its flow here"
+    for name, flow in FLOW_OF.items():
+        mod = importlib.import_module(FLOWS[flow])
+        params = load_config(mod.Params, CONFIGS / name)
+        common.validate(params, flow, mod.checks(params))  # every stage config the flow will build
+
+
+def scaled_down(raw: dict, params_cls) -> dict:
+    """The same keys with tiny values: every size key a stage's Config knows is set small."""
+    out = dict(raw)
+    for section, stage in SECTIONS.items():
+        if section not in params_cls.model_fields:
+            continue
+        fields = importlib.import_module(f"stages.{stage}").Config.model_fields
+        out[section] = {**raw.get(section, {}), **{k: v for k, v in SMALL.items() if k in fields}}
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_inputs(zoo, moto_s3):
+    """A Llama-3-shaped policy and reward model as plain folders on S3, and prompts carrying both a text
+    `input` and OpenRLHF's `context_messages`."""
+    root = f"s3://{moto_s3.bucket}/configs-inputs"
+    rows = [{"input": p["input"], "context_messages": [{"role": "user", "content": p["input"]}]}
+            for p in demo_task.prompts(8)]
+    fs, path = store.filesystem(f"{root}/prompts.jsonl")
+    fs.pipe_file(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    return {"pretrain_uri": upload_folder(zoo["llama3"].policy, f"{root}/llama3-policy"),
+            "reward_uri": upload_folder(zoo["llama3"].reward, f"{root}/llama3-rm"),
+            "prompt_data": f"{root}/prompts.jsonl"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FLOW_OF))
+def test_config_runs_its_flow_scaled_down_on_plain_folders(name, plain_inputs, moto_s3, prefect_harness):
+    flow = FLOW_OF[name]
+    mod = importlib.import_module(FLOWS[flow])
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    run_name = Path(name).stem.replace("_", "-")
+    over = {**scaled_down(raw, mod.Params), **plain_inputs, "demo": False, "iterations": 1,
+            "root": f"s3://{moto_s3.bucket}/configs", "run_name": run_name}
+    for key in ("sft_data", "preference_data", "eval_prompt_data"):  # warm-up, RM training, eval: other tests
+        over.pop(key, None)
+    # as a user runs it: `rlhf-flows run FLOW --config configs/NAME key=value ...` (sections as section.key=value)
+    args = [f"{k}={json.dumps(v)}" for k, v in over.items() if not isinstance(v, dict)]
+    args += [f"{k}.{kk}={json.dumps(vv)}" for k, v in over.items() if isinstance(v, dict) for kk, vv in v.items()]
+    assert cmd_run(flow, str(CONFIGS / name), args) == 0
+    run = f"s3://{moto_s3.bucket}/configs/{run_name}"
+    fs, path = store.filesystem(f"{run}/report.json")
+    report = json.loads(fs.cat_file(path))
+    assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
+    last = {"iterative-dpo": "dpo", "raft": "sft", "conditional-sft": "sft"}[flow]
+    trained = store.read_manifest(f"{run}/iter-1/{last}")
+    assert trained.metrics["steps_done"] == trained.metrics["planned_steps"] >= 1
+    gen = store.read_manifest(f"{run}/iter-1/generate")
+    assert {i["name"]: i["stage"] for i in gen.inputs}["policy"] == "source"  # the plain folder, by content hash
