@@ -34,9 +34,18 @@ class Params(common.LoopParams):
     dpo: dict = Field(default_factory=dict, description="DPO settings (beta, learning_rate, ...).")
 
 
+# The reference pass runs as dpo trains (same tokens, dtype and hardware) unless `reference` says otherwise.
+REF_FROM_DPO = ("max_len", "overlong", "bf16", "packing_samples", "zero_stage", "launcher", "num_gpus", "num_nodes",
+                "hostfile")
+
+
+def reference_settings(p: Params) -> dict:
+    return {**{k: p.dpo[k] for k in REF_FROM_DPO if k in p.dpo}, **p.reference}
+
+
 def checks(p: Params) -> dict:
     """The flow's own stages and their settings, validated before any work."""
-    return {reference: p.reference, dpo: p.dpo}
+    return {reference: reference_settings(p), dpo: p.dpo}
 
 
 @flow(name="iterative-dpo", log_prints=True)
@@ -51,7 +60,7 @@ def iterative_dpo(params: Params) -> dict:
             samples, scored = common.rollout(p, k, policy, prompts, reward)
             pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"},
                                                          scored_uri=scored["uri"], output_uri=at("pairs"), storage_options=so))
-            with_ref = call(reference.task, stage_config(reference, p.reference, pairs_uri=pairs["uri"], ref_uri=ref,
+            with_ref = call(reference.task, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"], ref_uri=ref,
                                                          output_uri=at("reference"), storage_options=so))
             trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
                                                   output_uri=at("dpo"), storage_options=so))

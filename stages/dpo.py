@@ -47,9 +47,10 @@ def run(cfg: Config) -> store.Manifest:
     if (ref_tok := pairs.metrics.get("tokenizer_id")) != tokenizer_id(tok):
         raise ConfigError(f"policy {cfg.policy_uri} and the reference model of {cfg.dataset_uri} use different "
                           f"tokenizers ({tokenizer_id(tok)} vs {ref_tok}): their log-probs are not comparable")
-    if (pairs.metrics.get("max_len"), pairs.metrics.get("overlong")) != (cfg.max_len, cfg.overlong):
-        raise ConfigError(f"dpo max_len/overlong ({cfg.max_len}, {cfg.overlong}) differ from the reference pass of "
-                          f"{cfg.dataset_uri} ({pairs.metrics.get('max_len')}, {pairs.metrics.get('overlong')})")
+    mine, theirs = (cfg.max_len, cfg.overlong, cfg.bf16), tuple(pairs.metrics.get(k, False) for k in ("max_len", "overlong", "bf16"))
+    if mine != theirs:  # other tokens or another dtype: log-probs not comparable, margin != 0 at step 0
+        raise ConfigError(f"dpo max_len/overlong/bf16 {mine} differ from the reference pass of {cfg.dataset_uri} "
+                          f"{theirs}: rerun the reference stage with dpo's settings")
     rows = table.to_pylist()[: cfg.max_samples] if cfg.max_samples else table.to_pylist()
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, extra=REF_COLUMNS,
                                             model_dir=model_dir)

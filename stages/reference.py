@@ -1,19 +1,23 @@
 """The reference pass: reads a `pairs` artifact and the reference model `ref_uri` (usually the initial
 policy, as in Online-RLHF) and writes the same pairs plus ref_chosen_logp / ref_rejected_logp, the summed
 response log-probs DPO needs. Computed once per dataset, like TRL's precompute_ref_log_probs; dpo then
-trains a single model. Tokenization (max_len, overlong) must match the dpo stage: dpo checks it.
+trains a single model. It runs on the training hardware in the training dtype (rlhf_core.train.reference:
+a DeepSpeed job, ZeRO-3-sharded when zero_stage=3, or inline on this process's device), so DPO's implied
+margin is 0 at step 0. Tokenization (max_len, overlong) and dtype must match the dpo stage: dpo checks it.
+
+    rlhf-flows stage reference pairs_uri=... ref_uri=... output_uri=... bf16=true num_gpus=8 zero_stage=3
 """
 from __future__ import annotations
 
 import time
+from typing import ClassVar, Literal
 
 from pydantic import Field
-from typing import Literal
 
 from rlhf_core import data, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import tokenizer_id
-from rlhf_core.train.reference import pair_logps
+from rlhf_core.train.reference import compute
 from stages.common import StageConfig, stage_task
 
 
@@ -22,7 +26,19 @@ class Config(StageConfig):
     ref_uri: str = Field(description="Reference model: committed artifact or plain HF folder on any URI.")
     max_len: int = Field(512, ge=2, description="Max tokens of prompt + response (must equal dpo's).")
     overlong: Literal["truncate", "reject"] = Field("truncate", description="Samples longer than max_len: cut or refuse.")
-    batch_size: int = Field(16, ge=1, description="Pairs per forward.")
+    bf16: bool = Field(False, description="bfloat16 weights and compute, as the dpo stage trains (must equal dpo's).")
+    packing_samples: bool = Field(False, description="Pack each batch into one row, as dpo does with packing_samples.")
+    # runtime: where it runs, not what it computes
+    batch_size: int = Field(16, ge=1, description="Pairs per forward (per rank).")
+    launcher: Literal["deepspeed", "torchrun", "python", "inline"] = Field(
+        "deepspeed", description="A job like the training stages, or `inline` in this process on its one device.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="3: shard the weights over the ranks (models too big for one device).")
+    num_gpus: int = Field(1, ge=1, description="Processes per node (GPUs; CPU processes without a GPU).")
+    num_nodes: int = Field(1, ge=1, description="Nodes (with hostfile).")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")
+
+    runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
+        "batch_size", "launcher", "zero_stage", "num_gpus", "num_nodes", "hostfile"}
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -32,8 +48,6 @@ def run(cfg: Config) -> store.Manifest:
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    import torch
-    from transformers import AutoModelForCausalLM
 
     table = store.read_table(cfg.pairs_uri, storage_options=cfg.storage_options)
     data.validate_table(table, "pairs", cfg.pairs_uri)
@@ -43,14 +57,18 @@ def run(cfg: Config) -> store.Manifest:
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.pairs_uri, model_dir=ref_dir)
     w.begin()
     t0 = time.time()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32, use_safetensors=True)
-    chosen, rejected = pair_logps(model, records, cfg.batch_size, models.pad_id(tok, ref_dir))
+    chosen, rejected = compute(records, ref_dir, models.pad_id(tok, ref_dir), store.cache_root() / "jobs" / w.fingerprint,
+                               bf16=cfg.bf16, zero_stage=cfg.zero_stage, batch_size=cfg.batch_size,
+                               packing_samples=cfg.packing_samples, launcher=cfg.launcher, num_gpus=cfg.num_gpus,
+                               num_nodes=cfg.num_nodes, hostfile=cfg.hostfile)
     for r, c, j in zip(rows, chosen, rejected):
         r["ref_chosen_logp"], r["ref_rejected_logp"] = c, j
     w.write_table("pairs.parquet", data.to_table(rows, "pairs"))
+    tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in records)
+    seconds = time.time() - t0
     return w.commit(metrics={"tokenizer_id": tokenizer_id(tok), "max_len": cfg.max_len, "overlong": cfg.overlong,
-                             "truncated": cut, "seconds": time.time() - t0,
+                             "bf16": cfg.bf16, "truncated": cut, "seconds": seconds, "tokens": tokens,
+                             "tokens_per_s": tokens / seconds if seconds > 0 else None,
                              "ref_chosen_logp_mean": sum(chosen) / len(chosen),
                              "ref_rejected_logp_mean": sum(rejected) / len(rejected)})
 

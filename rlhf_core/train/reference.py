@@ -1,28 +1,123 @@
 """The reference pass: summed response log-probs of a frozen model over tokenized pairs, computed once per
-dataset (TRL's precompute_ref_log_probs) so DPO trains one model instead of two. Forward-only and
-single-process: it holds no optimizer state to shard."""
+dataset (TRL's precompute_ref_log_probs) so DPO trains one model instead of two.
+
+It runs where training runs and in the training dtype, so that at DPO's step 0 policy and reference agree
+(implied margin 0): as a job under the training stages' launcher (`python -m rlhf_core.train.reference
+SPEC.json` under deepspeed / torchrun; with zero_stage 3 DeepSpeed shards the weights over the ranks, each
+rank forwards every world-th batch and rank 0 gathers), or `inline` in this process on its one device (GPU
+if there is one). The forward is the training forward (rlhf_core.train.entry.forward): same collation,
+same padding or packing, same log-prob code.
+
+    python -m rlhf_core.train.reference SPEC.json     (started by `compute`, never by hand)
+"""
 from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
 
 import torch
 
-from rlhf_core import losses
-from rlhf_core.train.batches import collate, per_sample_sum, seq_len
+from rlhf_core.train.batches import seq_len
 
 
 @torch.no_grad()
-def pair_logps(model, records: list[dict], batch_size: int, pad_id: int) -> tuple[list[float], list[float]]:
-    """(chosen, rejected) summed log-probs per record, in record order; batches sorted by length."""
-    model.eval()
+def pair_logps(forward, records: list[dict], batch_size: int, rank: int = 0, world: int = 1) -> dict[int, tuple]:
+    """{record index: (chosen, rejected)} for this rank's batches (batches sorted by length; rank r takes
+    batches r, r + world, ...). Every rank runs the same number of forwards (ZeRO-3 gathers weights
+    collectively), the last ones repeating a batch whose results are dropped."""
     order = sorted(range(len(records)), key=lambda i: seq_len(records[i]))
-    chosen, rejected = [0.0] * len(records), [0.0] * len(records)
-    for k in range(0, len(order), batch_size):
-        idx = order[k:k + batch_size]
+    batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+    mine = batches[rank::world]
+    out = {}
+    for j in range(math.ceil(len(batches) / world)):
+        idx = mine[j] if j < len(mine) else batches[0]
         recs = [records[i] for i in idx]
-        seqs = [r["chosen_ids"] for r in recs] + [r["rejected_ids"] for r in recs]
-        starts = [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs]
-        b = collate(seqs, starts, pad_id)
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
-        lp = per_sample_sum(losses.token_logprobs(logits, b.input_ids), b)  # (2n,)
-        for j, i in enumerate(idx):
-            chosen[i], rejected[i] = float(lp[j]), float(lp[len(idx) + j])
-    return chosen, rejected
+        lp = forward([r["chosen_ids"] for r in recs] + [r["rejected_ids"] for r in recs],
+                     [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs]).float().cpu()  # (2n,)
+        if j < len(mine):
+            out.update({i: (float(lp[k]), float(lp[len(idx) + k])) for k, i in enumerate(idx)})
+    return out
+
+
+def _load(spec: dict, device: str):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if spec["bf16"] else torch.float32
+    return AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True).to(device).eval()
+
+
+def _spec_forward(model, spec: dict):
+    from rlhf_core.train.entry import forward
+
+    return lambda seqs, starts: forward(model, spec, seqs, starts, spec["pad_id"])[0]
+
+
+def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
+            zero_stage: int = 0, batch_size: int = 16, packing_samples: bool = False, launcher: str = "deepspeed",
+            num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None) -> tuple[list[float], list[float]]:
+    """(chosen, rejected) summed response log-probs of every record, in record order."""
+    spec = {"method": "reference", "model_dir": str(model_dir), "pad_id": pad_id, "bf16": bf16,
+            "zero_stage": zero_stage, "batch_size": batch_size, "packing_samples": packing_samples,
+            "work_dir": str(work_dir)}
+    if launcher == "inline":
+        got = pair_logps(_spec_forward(_load(spec, "cuda" if torch.cuda.is_available() else "cpu"), spec),
+                         records, batch_size)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from rlhf_core import jobs
+
+        shutil.rmtree(work_dir, ignore_errors=True)
+        work_dir.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(records), work_dir / "data.parquet")
+        spec["data_path"] = str(work_dir / "data.parquet")
+        (work_dir / "spec.json").write_text(json.dumps(spec))
+        cmd = jobs.launcher_command("rlhf_core.train.reference", [str(work_dir / "spec.json")], launcher, num_gpus,
+                                    num_nodes, hostfile)
+        jobs.run_job(cmd, env=jobs.job_env(num_gpus * num_nodes))
+        result = json.loads((work_dir / "result.json").read_text())
+        shutil.rmtree(work_dir, ignore_errors=True)
+        got = {int(k): v for k, v in result.items()}
+    if len(got) != len(records):
+        raise RuntimeError(f"reference pass returned {len(got)} of {len(records)} pairs")
+    return [got[i][0] for i in range(len(records))], [got[i][1] for i in range(len(records))]
+
+
+def main(spec_path: str) -> None:
+    """The job: every rank loads the model (ZeRO-3: sharded), forwards its batches; rank 0 writes result.json."""
+    import pyarrow.parquet as pq
+    import torch.distributed as dist
+
+    from rlhf_core.train.entry import init_distributed
+
+    spec = json.loads(Path(spec_path).read_text())
+    deepspeed, rank, world, cuda = init_distributed()
+    config = {"train_micro_batch_size_per_gpu": spec["batch_size"], "train_batch_size": spec["batch_size"] * world,
+              "zero_optimization": {"stage": spec["zero_stage"]}, "bf16": {"enabled": spec["bf16"]},
+              "steps_per_print": 10 ** 9}
+    if spec["zero_stage"] == 3:  # load straight into shards: no rank ever holds the whole model
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(config)  # noqa: F841 (must stay alive while the model loads)
+    model = _load(spec, "cpu")
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    records = pq.read_table(spec["data_path"]).to_pylist()
+    t0 = time.time()
+    mine = pair_logps(_spec_forward(engine, spec), records, spec["batch_size"], rank, world)
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    if rank == 0:
+        merged = {k: v for p in parts for k, v in p.items()}
+        (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(merged))
+        print(f"reference pass: {len(merged)} pairs on {world} rank(s) in {time.time() - t0:.1f}s", flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])

@@ -52,14 +52,28 @@ def test_dpo_two_processes_raises_margin_and_trains_all_params(tiny, ref_pairs, 
     assert [k for k in before if torch.equal(before[k], after[k])] == []
 
 
+def test_implied_margin_is_zero_at_step_zero(tiny, ref_pairs, tmp_path):
+    """The reference pass ran as a DeepSpeed job with the training forward, in dpo's dtype (fp32 here): before
+    the first update policy == reference, so every implied margin beta * ((pi_c - ref_c) - (pi_r - ref_r)) is 0.
+    Accuracy counts margins > 0: 0.0 means no pair's margin is even slightly positive."""
+    assert ref_pairs.metrics["bf16"] is False
+    m = dpo.run(dpo.Config(policy_uri=tiny.policy_uri, dataset_uri=ref_pairs.uri, output_uri=str(tmp_path / "d"),
+                           max_len=64, train_batch_size=64, micro_train_batch_size=16, launcher="python"))
+    assert m.metrics["steps_done"] == 1
+    assert abs(m.metrics["first_reward_margin"]) < 1e-6
+    assert m.metrics["first_reward_accuracy"] == 0.0
+
+
 def test_dpo_bad_input(tiny, ref_pairs, tmp_path):
     base = dict(policy_uri=tiny.policy_uri, dataset_uri=ref_pairs.uri, output_uri=str(tmp_path / "o"), max_len=64)
     with pytest.raises(ValidationError, match="beta\n.*greater than 0"):
         dpo.Config(**base, beta=0.0)
     with pytest.raises(ValidationError, match="loss_type\n.*'sigmoid' or 'ipo'"):
         dpo.Config(**base, loss_type="kto")
-    with pytest.raises(ConfigError, match=r"max_len/overlong \(32, truncate\) differ from the reference pass"):
+    with pytest.raises(ConfigError, match=r"max_len/overlong/bf16 \(32, 'truncate', False\) differ from the reference pass"):
         dpo.run(dpo.Config(**{**base, "max_len": 32}))
+    with pytest.raises(ConfigError, match=r"max_len/overlong/bf16 \(64, 'truncate', True\) differ from the reference pass"):
+        dpo.run(dpo.Config(**{**base, "bf16": True}))  # an fp32 reference for a bf16 policy
     # pairs without reference log-probs
     raw = ref_pairs.inputs[0]["uri"]
     with pytest.raises(store.StageMismatchError, match="expected 'reference'"):

