@@ -57,7 +57,7 @@ def run(cfg: Config) -> store.Manifest:
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.pairs_uri, model_dir=ref_dir)
     w.begin()
     t0 = time.time()
-    chosen, rejected = compute(records, ref_dir, models.pad_id(tok, ref_dir), store.cache_root() / "jobs" / w.fingerprint,
+    chosen, rejected, seconds = compute(records, ref_dir, models.pad_id(tok, ref_dir), store.cache_root() / "jobs" / w.fingerprint,
                                bf16=cfg.bf16, zero_stage=cfg.zero_stage, batch_size=cfg.batch_size,
                                packing_samples=cfg.packing_samples, launcher=cfg.launcher, num_gpus=cfg.num_gpus,
                                num_nodes=cfg.num_nodes, hostfile=cfg.hostfile)
@@ -65,9 +65,9 @@ def run(cfg: Config) -> store.Manifest:
         r["ref_chosen_logp"], r["ref_rejected_logp"] = c, j
     w.write_table("pairs.parquet", data.to_table(rows, "pairs"))
     tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in records)
-    seconds = time.time() - t0
+    wall = time.time() - t0
     return w.commit(metrics={"tokenizer_id": tokenizer_id(tok), "max_len": cfg.max_len, "overlong": cfg.overlong,
-                             "bf16": cfg.bf16, "truncated": cut, "seconds": seconds, "tokens": tokens,
+                             "bf16": cfg.bf16, "truncated": cut, "seconds": seconds, "job_seconds": wall, "tokens": tokens,
                              "tokens_per_s": tokens / seconds if seconds > 0 else None,
                              "ref_chosen_logp_mean": sum(chosen) / len(chosen),
                              "ref_rejected_logp_mean": sum(rejected) / len(rejected)})

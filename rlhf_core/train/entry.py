@@ -72,7 +72,7 @@ def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     dev = engine.device
     ids, pos = b.input_ids.to(dev), b.position_ids.to(dev)
     att = b.attention_mask.to(dev)
-    model = engine.module
+    model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
     if spec["method"] == "rm":
         core = model.get_base_model() if hasattr(model, "get_base_model") else model
         h = getattr(core, core.base_model_prefix)(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state
@@ -143,7 +143,7 @@ def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
     from transformers import AutoTokenizer
 
     out = Path(spec["work_dir"]) / "model"
-    model = engine.module
+    model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
     sd = engine._zero3_consolidated_16bit_state_dict() if spec["zero_stage"] == 3 else None  # all ranks
     if rank != 0:
         return

@@ -58,14 +58,17 @@ def _spec_forward(model, spec: dict):
 
 def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
             zero_stage: int = 0, batch_size: int = 16, packing_samples: bool = False, launcher: str = "deepspeed",
-            num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None) -> tuple[list[float], list[float]]:
-    """(chosen, rejected) summed response log-probs of every record, in record order."""
+            num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None) -> tuple[list[float], list[float], float]:
+    """(chosen, rejected) summed response log-probs of every record in record order, and the seconds the
+    forwards took (model loaded; a job's start and load are left out, as training's train_seconds does)."""
     spec = {"method": "reference", "model_dir": str(model_dir), "pad_id": pad_id, "bf16": bf16,
             "zero_stage": zero_stage, "batch_size": batch_size, "packing_samples": packing_samples,
             "work_dir": str(work_dir)}
     if launcher == "inline":
-        got = pair_logps(_spec_forward(_load(spec, "cuda" if torch.cuda.is_available() else "cpu"), spec),
-                         records, batch_size)
+        model = _load(spec, "cuda" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
+        got = pair_logps(_spec_forward(model, spec), records, batch_size)
+        seconds = time.perf_counter() - t0
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -82,10 +85,10 @@ def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: P
         jobs.run_job(cmd, env=jobs.job_env(num_gpus * num_nodes))
         result = json.loads((work_dir / "result.json").read_text())
         shutil.rmtree(work_dir, ignore_errors=True)
-        got = {int(k): v for k, v in result.items()}
+        got, seconds = {int(k): v for k, v in result["logps"].items()}, result["seconds"]
     if len(got) != len(records):
         raise RuntimeError(f"reference pass returned {len(got)} of {len(records)} pairs")
-    return [got[i][0] for i in range(len(records))], [got[i][1] for i in range(len(records))]
+    return [got[i][0] for i in range(len(records))], [got[i][1] for i in range(len(records))], seconds
 
 
 def main(spec_path: str) -> None:
@@ -108,14 +111,16 @@ def main(spec_path: str) -> None:
     engine = deepspeed.initialize(model=model, config=config)[0]
     engine.eval()
     records = pq.read_table(spec["data_path"]).to_pylist()
-    t0 = time.time()
+    dist.barrier()
+    t0 = time.perf_counter()
     mine = pair_logps(_spec_forward(engine, spec), records, spec["batch_size"], rank, world)
     parts = [None] * world
     dist.all_gather_object(parts, mine)
+    seconds = time.perf_counter() - t0
     if rank == 0:
         merged = {k: v for p in parts for k, v in p.items()}
-        (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(merged))
-        print(f"reference pass: {len(merged)} pairs on {world} rank(s) in {time.time() - t0:.1f}s", flush=True)
+        (Path(spec["work_dir"]) / "result.json").write_text(json.dumps({"logps": merged, "seconds": seconds}))
+        print(f"reference pass: {len(merged)} pairs on {world} rank(s) in {seconds:.1f}s", flush=True)
     dist.barrier()
 
 

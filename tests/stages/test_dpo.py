@@ -52,6 +52,15 @@ def test_dpo_two_processes_raises_margin_and_trains_all_params(tiny, ref_pairs, 
     assert [k for k in before if torch.equal(before[k], after[k])] == []
 
 
+def test_reference_pass_inline_matches_the_job(tiny, ref_pairs, tmp_path):
+    inline = reference.run(reference.Config(pairs_uri=ref_pairs.inputs[0]["uri"], ref_uri=tiny.policy_uri, max_len=64,
+                                            output_uri=str(tmp_path / "inline"), launcher="inline"))
+    assert inline.fingerprint == ref_pairs.fingerprint  # where it runs is not what it computes
+    job, here = store.read_table(ref_pairs.uri).to_pylist(), store.read_table(inline.uri).to_pylist()
+    for k in ("ref_chosen_logp", "ref_rejected_logp"):
+        assert [r[k] for r in here] == pytest.approx([r[k] for r in job], abs=1e-5)
+
+
 def test_implied_margin_is_zero_at_step_zero(tiny, ref_pairs, tmp_path):
     """The reference pass ran as a DeepSpeed job with the training forward, in dpo's dtype (fp32 here): before
     the first update policy == reference, so every implied margin beta * ((pi_c - ref_c) - (pi_r - ref_r)) is 0.
