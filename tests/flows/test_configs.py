@@ -1,5 +1,5 @@
-"""Shipped configs cannot rot: every file in configs/ loads into its flow's Params, every stage config in it
-validates, and the flow runs with the same keys scaled down by overrides: the models are plain Hugging
+"""Shipped configs cannot rot: every file in configs/ runs the flow it names (its keys validate as stage
+configs here and in tests/test_packaging.py) with the same keys scaled down by overrides: the models are plain Hugging
 Face folders (no manifest) on the moto S3 endpoint (`pretrain_uri`, `reward_uri`), sizes are tiny, one
 iteration, one process per job, engines in-process."""
 from __future__ import annotations
@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows import common
 from flows.cli import FLOWS, cmd_run
 from rlhf_core import demo_task, store
-from stages.common import load_config
 from tests.conftest import upload_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-# Which flow each shipped config is for (its header's `rlhf-flows run FLOW` / `rlhf-flows demo` line).
+# Which flow each shipped config is for (its header's `rlhf-flows run FLOW` / `rlhf-flows demo` line); a new
+# file must be added here.
 FLOW_OF = {"demo.yaml": "iterative-dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional-sft",
            "iterative_dpo_llama3_8b.yaml": "iterative-dpo", "raft_llama3_8b.yaml": "raft"}
 SECTIONS = {"prepare": "prepare", "sft": "sft", "train_rm": "train_rm", "generate": "generate", "score": "score",
@@ -27,14 +26,6 @@ SMALL = {"max_len": 64, "prompt_max_len": 32, "max_new_tokens": 8, "train_batch_
          "num_gpus": 1, "num_nodes": 1, "num_engines": 0, "tensor_parallel_size": 1, "rollout_batch_size": 8,
          "batch_size": 4, "best_of_n": 2, "backend": "hf", "max_epochs": 1, "samples_per_prompt": 2,
          "launcher": "python"}
-
-
-def test_every_config_file_is_known_and_validates():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(FLOW_OF), "map a new config to its flow here"
-    for name, flow in FLOW_OF.items():
-        mod = importlib.import_module(FLOWS[flow])
-        params = load_config(mod.Params, CONFIGS / name)
-        common.validate(params, flow, mod.checks(params))  # every stage config the flow will build
 
 
 def scaled_down(raw: dict, params_cls) -> dict:
@@ -60,6 +51,10 @@ def plain_inputs(zoo, moto_s3):
     return {"pretrain_uri": upload_folder(zoo["llama3"].policy, f"{root}/llama3-policy"),
             "reward_uri": upload_folder(zoo["llama3"].reward, f"{root}/llama3-rm"),
             "prompt_data": f"{root}/prompts.jsonl"}
+
+
+def test_every_config_file_has_a_flow():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(FLOW_OF)
 
 
 @pytest.mark.slow
