@@ -45,15 +45,24 @@ def init_distributed():
 def load_model(spec: dict, cuda: bool):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if spec.get("load_in_4bit") and not cuda:
-        raise SystemExit("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none")
     dtype = torch.bfloat16 if spec["bf16"] else torch.float32
-    if spec["method"] == "rm":
-        model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1, dtype=dtype,
-                                                                   use_safetensors=True)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True)
-    if spec["gradient_checkpointing"]:
+    kwargs = {}
+    if spec.get("load_in_4bit"):  # QLoRA (arXiv:2305.14314): frozen NF4 base, double quantization, LoRA on top
+        if not cuda:
+            raise SystemExit("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none")
+        from transformers import BitsAndBytesConfig
+
+        kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
+                  "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+    auto = AutoModelForSequenceClassification if spec["method"] == "rm" else AutoModelForCausalLM
+    model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True,
+                                 **({"num_labels": 1} if spec["method"] == "rm" else {}), **kwargs)
+    if spec.get("load_in_4bit"):
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gradient_checkpointing"])
+    elif spec["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec["lora_rank"] > 0:
         from peft import LoraConfig, get_peft_model
@@ -151,7 +160,15 @@ def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
         setattr((model.get_base_model() if hasattr(model, "get_base_model") else model).config, k, v)
     if spec["lora_rank"] > 0:
         model.save_pretrained(str(out / "adapter"), safe_serialization=True)
-        if spec["lora_merge"]:
+        if spec["lora_merge"] and spec.get("load_in_4bit"):  # merge into the unquantized base, not into NF4 weights
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+            auto = AutoModelForSequenceClassification if spec["method"] == "rm" else AutoModelForCausalLM
+            base = auto.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if spec["bf16"] else torch.float32,
+                                        **({"num_labels": 1} if spec["method"] == "rm" else {}))
+            PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload().save_pretrained(str(out))
+        elif spec["lora_merge"]:
             model.merge_and_unload().save_pretrained(str(out), safe_serialization=True)
     else:
         model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)

@@ -56,7 +56,7 @@ class TrainFields(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
     target_modules: list[str] | None = Field(None, description="LoRA target modules (default all linear layers).")
     lora_merge: bool = Field(True, description="Save the merged model at the root (the adapter always goes to adapter/).")
-    load_in_4bit: bool = Field(False, description="QLoRA 4-bit base (GPU only).")
+    load_in_4bit: bool = Field(False, description="QLoRA: NF4 4-bit frozen base (bitsandbytes, CUDA only) + LoRA (lora_rank > 0).")
     # runtime: placement and bookkeeping, left out of the fingerprint
     launcher: Literal["deepspeed", "torchrun", "python"] = Field("deepspeed", description="How the job starts.")
     num_gpus: int = Field(1, ge=1, description="Processes per node (GPUs; CPU processes without a GPU).")
@@ -75,6 +75,8 @@ class TrainFields(BaseModel):
                              f"x world size ({self.micro_train_batch_size} x {self.num_gpus * self.num_nodes} = {per_step})")
         if self.lora_rank and self.zero_stage == 3:
             raise ValueError("LoRA with zero_stage 3 is not supported: use zero_stage 2")
+        if self.load_in_4bit and not self.lora_rank:
+            raise ValueError("load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: set lora_rank > 0")
         return self
 
 
