@@ -30,8 +30,9 @@ class Config(StageConfig):
     packing_samples: bool = Field(False, description="Pack each batch into one row, as dpo does with packing_samples.")
     # runtime: where it runs, not what it computes
     batch_size: int = Field(16, ge=1, description="Pairs per forward (per rank).")
-    launcher: Literal["deepspeed", "torchrun", "python", "inline"] = Field(
-        "deepspeed", description="A job like the training stages, or `inline` in this process on its one device.")
+    launcher: Literal["auto", "deepspeed", "torchrun", "python", "inline"] = Field(
+        "auto", description="A job like the training stages (deepspeed, torchrun, python), or `inline` in this "
+                            "process on its one device; auto: inline for one device without ZeRO-3, else deepspeed.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="3: shard the weights over the ranks (models too big for one device).")
     num_gpus: int = Field(1, ge=1, description="Processes per node (GPUs; CPU processes without a GPU).")
     num_nodes: int = Field(1, ge=1, description="Nodes (with hostfile).")
@@ -57,9 +58,11 @@ def run(cfg: Config) -> store.Manifest:
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.pairs_uri, model_dir=ref_dir)
     w.begin()
     t0 = time.time()
+    one_device = cfg.num_gpus * cfg.num_nodes == 1 and cfg.zero_stage != 3
+    launcher = cfg.launcher if cfg.launcher != "auto" else "inline" if one_device else "deepspeed"
     chosen, rejected, seconds = compute(records, ref_dir, models.pad_id(tok, ref_dir), store.cache_root() / "jobs" / w.fingerprint,
                                bf16=cfg.bf16, zero_stage=cfg.zero_stage, batch_size=cfg.batch_size,
-                               packing_samples=cfg.packing_samples, launcher=cfg.launcher, num_gpus=cfg.num_gpus,
+                               packing_samples=cfg.packing_samples, launcher=launcher, num_gpus=cfg.num_gpus,
                                num_nodes=cfg.num_nodes, hostfile=cfg.hostfile)
     for r, c, j in zip(rows, chosen, rejected):
         r["ref_chosen_logp"], r["ref_rejected_logp"] = c, j
@@ -67,7 +70,7 @@ def run(cfg: Config) -> store.Manifest:
     tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in records)
     wall = time.time() - t0
     return w.commit(metrics={"tokenizer_id": tokenizer_id(tok), "max_len": cfg.max_len, "overlong": cfg.overlong,
-                             "bf16": cfg.bf16, "truncated": cut, "seconds": seconds, "job_seconds": wall, "tokens": tokens,
+                             "bf16": cfg.bf16, "launcher": launcher, "truncated": cut, "seconds": seconds, "job_seconds": wall, "tokens": tokens,
                              "tokens_per_s": tokens / seconds if seconds > 0 else None,
                              "ref_chosen_logp_mean": sum(chosen) / len(chosen),
                              "ref_rejected_logp_mean": sum(rejected) / len(rejected)})

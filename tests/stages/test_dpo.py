@@ -26,7 +26,8 @@ def pairs_data(root, n, seed=0, rows=None):
 def ref_pairs(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     m = reference.run(reference.Config(pairs_uri=pairs_data(root, 64), ref_uri=tiny.policy_uri,
-                                       output_uri=str(root / "ref"), max_len=64))
+                                       output_uri=str(root / "ref"), max_len=64, launcher="deepspeed"))
+    assert m.metrics["launcher"] == "deepspeed"  # a job, as on a multi-GPU host (auto runs one device inline)
     return m
 
 
