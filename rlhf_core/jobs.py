@@ -40,8 +40,10 @@ def free_port() -> int:
 
 
 def launcher_command(module: str, args: list[str], launcher: str = "deepspeed", num_gpus: int = 1,
-                     num_nodes: int = 1, hostfile: str | None = None, master_port: int | None = None) -> list[str]:
-    """The command line running `python -m module args` under the chosen launcher."""
+                     num_nodes: int = 1, hostfile: str | None = None, master_port: int | None = None,
+                     master_addr: str | None = None, node_rank: int | str = 0) -> list[str]:
+    """The command line running `python -m module args` under the chosen launcher (torchrun with several
+    nodes: this is node `node_rank`, node 0 listens on master_addr:master_port)."""
     bindir = Path(sys.executable).parent
     port = str(master_port or free_port())
     if launcher == "deepspeed":
@@ -52,6 +54,8 @@ def launcher_command(module: str, args: list[str], launcher: str = "deepspeed", 
     if launcher == "torchrun":
         cmd = [str(bindir / "torchrun"), "--nproc_per_node", str(num_gpus), "--nnodes", str(num_nodes),
                "--master_port", port]
+        if num_nodes > 1:
+            cmd += ["--node_rank", str(node_rank), "--master_addr", master_addr or "127.0.0.1"]
         return cmd + ["-m", module, *args]
     if launcher == "python":  # one process, no launcher (debugging); the entry sets the rank variables
         return [sys.executable, "-u", "-m", module, *args]

@@ -55,7 +55,8 @@ def run(cfg: Config) -> store.Manifest:
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, extra=REF_COLUMNS,
                                             model_dir=model_dir)
     spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef")}
-    return train_and_commit(cfg, w, "dpo", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut})
+    return train_and_commit(cfg, w, "dpo", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut},
+                            model_uri=cfg.policy_uri)
 
 
 task = stage_task("dpo", run)

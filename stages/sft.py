@@ -40,7 +40,8 @@ def run(cfg: Config) -> store.Manifest:
     rows = load_rows(cfg, "sft", fmt, tok)
     records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, cfg.pretrain_mode, cfg.overlong, where=cfg.dataset_uri,
                                         model_dir=model_dir)
-    return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut})
+    return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut},
+                            model_uri=cfg.policy_uri)
 
 
 task = stage_task("sft", run)

@@ -43,7 +43,7 @@ def run(cfg: Config) -> store.Manifest:
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri,
                                           extra=("margin",) if cfg.use_margin else (), model_dir=model_dir)
     return train_and_commit(cfg, w, "rm", records, model_dir, tok, {"loss": cfg.loss, "use_margin": cfg.use_margin},
-                            {"rows": len(records), "truncated": cut})
+                            {"rows": len(records), "truncated": cut}, model_uri=cfg.base_uri)
 
 
 task = stage_task("train_rm", run)

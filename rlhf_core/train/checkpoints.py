@@ -34,6 +34,12 @@ def _sha256(path: Path) -> str:
 def upload(local_dir: str | Path, root_uri: str, tag: str, fingerprint: str, state: dict,
            storage_options: dict | None = None, keep_last: int = 1) -> str:
     """Copy a DeepSpeed checkpoint folder to `{root_uri}/{tag}/`, marker last; drop older checkpoints."""
+    files = upload_files(local_dir, root_uri, tag, storage_options)
+    return commit(root_uri, tag, fingerprint, files, state, storage_options, keep_last)
+
+
+def upload_files(local_dir: str | Path, root_uri: str, tag: str, storage_options: dict | None = None) -> list[dict]:
+    """Copy one rank's (or one node's) checkpoint files to `{root_uri}/{tag}/`; their marker entries."""
     local_dir = Path(local_dir)
     fs, root = store.filesystem(root_uri, storage_options)
     files = []
@@ -44,6 +50,14 @@ def upload(local_dir: str | Path, root_uri: str, tag: str, fingerprint: str, sta
             fs.makedirs(fs._parent(dest), exist_ok=True)
             fs.put_file(str(p), dest)
             files.append({"path": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
+    return files
+
+
+def commit(root_uri: str, tag: str, fingerprint: str, files: list[dict], state: dict,
+           storage_options: dict | None = None, keep_last: int = 1) -> str:
+    """Write the marker naming every rank's files (the commit), then drop older checkpoints."""
+    fs, root = store.filesystem(root_uri, storage_options)
+    files = sorted({f["path"]: f for f in files}.values(), key=lambda f: f["path"])
     with fs.open(store.join(root, tag, MARKER), "w") as f:
         f.write(json.dumps({"fingerprint": fingerprint, "tag": tag, "files": files, **state}, indent=1))
     for old in sorted(_tags(fs, root), key=_step)[:-keep_last]:

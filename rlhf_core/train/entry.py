@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -178,8 +179,56 @@ def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
     tok.save_pretrained(str(out))
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def job_spec(ref: str) -> dict:
+    """The job spec and this rank's local copies of what it names. The spec lives on the store: a rank whose
+    cache (RLHF_FLOWS_CACHE) is the launching host's uses the files the stage prepared there; a rank on
+    another node (multi-node without a shared disk) fetches the data, the model and the checkpoint to resume
+    from into its own cache: no node needs a path of another. Rank 0 must run on the launching host (the
+    first hostfile entry / node_rank 0), where the stage reads the trained model from `work_dir`."""
+    from rlhf_core import store
+
+    if "://" not in ref and Path(ref).exists():  # a local spec (debugging: python -m ... SPEC.json)
+        return json.loads(Path(ref).read_text())
+    fs, path = store.filesystem(ref)
+    spec = json.loads(fs.cat_file(path))
+    if str(store.cache_root()) == spec["launch_cache"]:
+        return spec
+    so = spec.get("storage_options")
+    local = store.cache_root() / "jobs" / spec["fingerprint"] / f"rank-{os.environ.get('RANK', '0')}"
+    shutil.rmtree(local, ignore_errors=True)
+    local.mkdir(parents=True)
+    dfs, dpath = store.filesystem(spec["data_uri"], so)
+    dfs.get_file(dpath, str(local / "data.parquet"))
+    spec["data_path"], spec["local_dir"] = str(local / "data.parquet"), str(local)
+    spec["model_dir"] = str(store.fetch_model(spec["model_uri"], so))
+    if spec.get("resume"):
+        spec["resume_dir"] = str(checkpoints.download(spec["resume"], local / "resume", so))
+    return spec
+
+
+def save_checkpoint(engine, spec: dict, step: int, history: list, rank: int, world: int) -> None:
+    """Every rank saves into its own local folder and uploads its own files (its ZeRO shards; rank 0 also
+    the module states); rank 0 then commits the marker naming every rank's files."""
+    import torch.distributed as dist
+
+    tag = f"step-{step}"
+    local = Path(spec.get("local_dir") or spec["work_dir"]) / f"ckpt-out-rank{rank}"
+    (local / tag).mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(local), tag=tag, client_state={
+        "step": step, "history": history, "rng": torch.get_rng_state().tolist()}, save_latest=False)
+    mine = checkpoints.upload_files(local / tag, spec["ckpt_uri"], tag, spec.get("storage_options"))
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    if rank == 0:
+        uri = checkpoints.commit(spec["ckpt_uri"], tag, spec["fingerprint"], [f for p in parts for f in p],
+                                 {"step": step}, spec.get("storage_options"))
+        print(f"checkpoint {uri}", flush=True)
+    shutil.rmtree(local / tag, ignore_errors=True)
+    dist.barrier()
+
+
+def main(spec_ref: str) -> None:
+    spec = job_spec(spec_ref)
     deepspeed, rank, world, cuda = init_distributed()
     import pyarrow.parquet as pq
     import torch.distributed as dist
@@ -236,16 +285,7 @@ def main(spec_path: str) -> None:
         if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
             print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items()), flush=True)
         if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
-            tag = f"step-{step + 1}"
-            local = Path(spec["work_dir"]) / "ckpt-out"
-            engine.save_checkpoint(str(local), tag=tag, client_state={
-                "step": step + 1, "history": history, "rng": torch.get_rng_state().tolist()}, save_latest=False)
-            dist.barrier()
-            if rank == 0:
-                uri = checkpoints.upload(local / tag, spec["ckpt_uri"], tag, spec["fingerprint"],
-                                         {"step": step + 1}, spec.get("storage_options"))
-                print(f"checkpoint {uri}", flush=True)
-            dist.barrier()
+            save_checkpoint(engine, spec, step + 1, history, rank, world)
     train_s = time.time() - t0
     tok = torch.tensor([tokens_done], dtype=torch.float64)
     dist.all_reduce(tok)

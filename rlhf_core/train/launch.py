@@ -62,6 +62,9 @@ class TrainFields(BaseModel):
     num_gpus: int = Field(1, ge=1, description="Processes per node (GPUs; CPU processes without a GPU).")
     num_nodes: int = Field(1, ge=1, description="Nodes (with hostfile).")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")
+    master_addr: str | None = Field(None, description="torchrun multi-node: address of node 0 (this host); other "
+                                    "nodes run the torchrun command the stage logs, fetching everything from the store.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port (default: a free one).")
     save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
     resume: bool = Field(True, description="Continue from the latest checkpoint of the same job; false deletes checkpoints.")
     log_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
@@ -80,7 +83,8 @@ class TrainFields(BaseModel):
         return self
 
 
-TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "save_steps", "resume", "log_steps", "debug_step_sleep"}
+TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
+                 "log_steps", "debug_step_sleep"}
 SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "dataset_probs", "apply_chat_template", "input_template",
                                              "max_samples", "max_len", "overlong"}
 
@@ -118,13 +122,19 @@ def tokenizer_id(tok) -> str:
 
 
 def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[dict], model_dir: Path, tokenizer,
-                     extra_spec: dict, metrics: dict) -> store.Manifest:
-    """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`."""
+                     extra_spec: dict, metrics: dict, model_uri: str | None = None) -> store.Manifest:
+    """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`. The job's
+    spec and data also go to `{output_uri}/_job/` so ranks on other nodes fetch them (and `model_uri`, and
+    the resume checkpoint) from the store into their own caches: multi-node needs no shared disk."""
     w.begin(keep=("checkpoints",))
     work = store.cache_root() / "jobs" / w.fingerprint
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(records), work / "data.parquet")
+    job_uri = store.join(w.uri, "_job")
+    fs, job_path = store.filesystem(job_uri, cfg.storage_options)
+    fs.makedirs(job_path, exist_ok=True)
+    fs.put_file(str(work / "data.parquet"), store.join(job_path, "data.parquet"))
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
@@ -134,10 +144,17 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
             "data_path": str(work / "data.parquet"), "work_dir": str(work), "ckpt_uri": ckpt_uri,
             "storage_options": cfg.storage_options, "fingerprint": w.fingerprint, "pad_id": models.pad_id(tokenizer, model_dir),
             "resume_dir": str(resume_dir) if resume_dir else None, "resume_uri": meta["uri"] if meta else None,
-            "step_sleep": cfg.debug_step_sleep}
-    (work / "spec.json").write_text(json.dumps(spec, default=list))
-    cmd = jobs.launcher_command("rlhf_core.train.entry", [str(work / "spec.json")], cfg.launcher, cfg.num_gpus,
-                                cfg.num_nodes, cfg.hostfile)
+            "resume": meta, "step_sleep": cfg.debug_step_sleep, "model_uri": model_uri or str(model_dir),
+            "data_uri": store.join(job_uri, "data.parquet"), "launch_cache": str(store.cache_root())}
+    spec_uri = store.join(job_uri, "spec.json")
+    with fs.open(store.join(job_path, "spec.json"), "w") as f:
+        f.write(json.dumps(spec, default=list))
+    cmd = jobs.launcher_command("rlhf_core.train.entry", [spec_uri], cfg.launcher, cfg.num_gpus, cfg.num_nodes,
+                                cfg.hostfile, cfg.master_port, cfg.master_addr)
+    if cfg.launcher == "torchrun" and cfg.num_nodes > 1:
+        log.info("start node k = 1..%d with: %s", cfg.num_nodes - 1, " ".join(
+            jobs.launcher_command("rlhf_core.train.entry", [spec_uri], "torchrun", cfg.num_gpus, cfg.num_nodes,
+                                  None, cfg.master_port, cfg.master_addr, node_rank="k")))
     jobs.run_job(cmd, env=jobs.job_env(cfg.num_gpus))
     result_path = work / "result.json"
     if not result_path.exists():
@@ -150,5 +167,6 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     w.write_json("training_log.json", result.pop("history"))
     m = w.commit(metrics={**metrics, **result})
     checkpoints.remove_all(ckpt_uri, cfg.storage_options)
+    fs.rm(job_path, recursive=True)
     shutil.rmtree(work, ignore_errors=True)
     return m
