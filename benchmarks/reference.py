@@ -38,7 +38,8 @@ def main(n: int, batch: int, bf16: bool, repeats: int) -> None:
         rows = demo_task.preference_rows(n)
         for i, r in enumerate(rows):  # ENV-NOTES' shape: longer prompts and responses than the toy's
             r["prompt"] = " ".join([r["prompt"]] * (1 + i % 3))
-            r["chosen"], r["rejected"] = " ".join([r["chosen"]] * (1 + i % 4)), " ".join([r["rejected"]] * (1 + (i + 1) % 4))
+            r["chosen"] = " ".join([r["chosen"]] * (1 + i % 4))
+            r["rejected"] = " ".join([r["rejected"]] * (1 + (i + 1) % 4))
         records, _ = batches.tokenize_pairs(rows, tok, 160, model_dir=policy)
         pad = models.pad_id(tok, policy)
         real = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in records)

@@ -60,8 +60,8 @@ def iterative_dpo(params: Params) -> dict:
             samples, scored = common.rollout(p, k, policy, prompts, reward)
             pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"},
                                                          scored_uri=scored["uri"], output_uri=at("pairs"), storage_options=so))
-            with_ref = call(reference.task, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"], ref_uri=ref,
-                                                         output_uri=at("reference"), storage_options=so))
+            with_ref = call(reference.task, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"],
+                                                         ref_uri=ref, output_uri=at("reference"), storage_options=so))
             trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
                                                   output_uri=at("dpo"), storage_options=so))
             policy = trained["uri"]

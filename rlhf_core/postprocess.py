@@ -105,7 +105,8 @@ def dpo_pairs(rows: list[dict], stats: FilterStats | None = None) -> list[dict]:
             continue
         out.append({"prompt": prompt, "chosen": hi["response"], "rejected": lo["response"],
                     "chosen_reward": float(hi["reward"]), "rejected_reward": float(lo["reward"]),
-                    "margin": float(hi["reward"] - lo["reward"]), **finished(hi, "chosen_"), **finished(lo, "rejected_")})
+                    "margin": float(hi["reward"] - lo["reward"]),
+                    **finished(hi, "chosen_"), **finished(lo, "rejected_")})
     return out
 
 

@@ -123,3 +123,16 @@ def test_bad_model_folders_are_refused_by_name(zoo, tmp_path):
     tok.save_pretrained(str(big))
     with pytest.raises(store.ModelInputError, match=r"tokenizer has \d+ tokens but the model's embeddings have \d+ rows"):
         models.load_tokenizer(big)
+
+
+def test_filters_carry_whether_a_response_finished():
+    from rlhf_core import postprocess
+
+    rows = [{"prompt": "p", "response": " good .", "reward": 0.9, "finish_reason": "stop"},
+            {"prompt": "p", "response": " bad bad bad", "reward": 0.1, "finish_reason": "length"}]
+    pair = postprocess.dpo_pairs(rows)[0]
+    assert (pair["chosen_finished"], pair["rejected_finished"]) == (True, False)
+    assert [r["finished"] for r in postprocess.conditional_sft(rows)] == [True, False]
+    assert postprocess.best_of_n(rows)[0]["finished"] is True
+    assert "chosen_finished" not in postprocess.dpo_pairs([{k: v for k, v in r.items() if k != "finish_reason"}
+                                                          for r in rows])[0]  # data without finish_reason: finished
