@@ -116,7 +116,7 @@ def tokenizer_id(tok) -> str:
 def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[dict], model_dir: Path, tokenizer,
                      extra_spec: dict, metrics: dict) -> store.Manifest:
     """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`."""
-    w.begin(keep=("checkpoints",))
+    w.begin()  # checkpoints/ is kept: the same job resumes from it
     work = store.cache_root() / "jobs" / w.fingerprint
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
