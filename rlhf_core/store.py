@@ -13,9 +13,11 @@ model that took days is never destroyed and a downstream manifest's (uri, finger
 what it wrote: `_MANIFEST.json`, `_versions/`, `checkpoints/`, the files its manifests list and the names its
 journal `_WRITING.json` recorded before writing them; any other file under `output_uri` is refused by name.
 
-S3 settings come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION) or from `storage_options`; credentials never enter a manifest,
-a log line or an error message (see `redact`).
+Credentials come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ... of the process,
+which training jobs and Ray workers inherit; flows can fill it from a Prefect Secret block). `storage_options`
+holds only non-secret settings (endpoint, region, timeouts): `check_no_secrets` refuses key/secret/token there,
+because options travel as Prefect parameters (stored in its database, shown in the UI), spec files and Ray
+actor arguments. Secrets never enter a manifest, a log line or an error message (see `redact`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ class StoreUnreachableError(ArtifactError):
     pass
 
 
+class LockLost(ArtifactError):
+    """This process no longer holds its run lock (the fencing check before a commit): it must stop."""
+
+
 class ForeignFilesError(ArtifactError):
     """The output prefix holds files this project did not write: they are never touched."""
 
@@ -84,8 +90,32 @@ def run_prefix(root: str, run_name: str, stage: str, iteration: int | None = Non
     return join(root, run_name, f"iter-{iteration}", stage)
 
 
+SECRET_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+               "aws_session_token", "session_token", "access_key", "secret_key", "account_key", "sas_token",
+               "connection_string", "credentials", "token_file"}
+SECRET_ENV = ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"]  # + names a credentials block set
+
+
+def check_no_secrets(options: dict | None, where: str = "storage_options") -> dict:
+    """Refuse credentials in `options` (nested dicts too), naming the keys: they belong in the environment."""
+    found = []
+
+    def walk(d, prefix):
+        for k, v in (d or {}).items():
+            if str(k).lower() in SECRET_KEYS:
+                found.append(prefix + str(k))
+            elif isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+    walk(options, f"{where}.")
+    if found:
+        raise ValueError(f"{', '.join(found)}: credentials are not accepted here (parameters are stored by Prefect "
+                         f"and shown in its UI); set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment of "
+                         f"the process or worker, or name a Prefect Secret block in credentials_block")
+    return options or {}
+
+
 def _secrets(storage_options: dict | None) -> list[str]:
-    vals = [os.environ.get(k, "") for k in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN")]
+    vals = [os.environ.get(k, "") for k in SECRET_ENV]
     for k in ("secret", "key", "token"):
         vals.append(str((storage_options or {}).get(k, "")))
     return [v for v in vals if len(v) >= 4]
@@ -95,6 +125,19 @@ def redact(text: str, storage_options: dict | None = None) -> str:
     for s in _secrets(storage_options):
         text = text.replace(s, "***")
     return text
+
+
+def redact_error(e: BaseException, storage_options: dict | None = None) -> BaseException:
+    """`e` itself when no message in its chain holds a secret, else a RuntimeError carrying the redacted
+    type and message of each link (raise it `from None`: the originals must not travel on)."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 10:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    text = " <- ".join(f"{type(x).__name__}: {x}" for x in chain)
+    if redact(text, storage_options) == text:
+        return e
+    return RuntimeError(redact(text, storage_options))
 
 
 def storage_options_for(uri: str, storage_options: dict | None = None) -> dict:
