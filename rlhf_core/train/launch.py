@@ -171,8 +171,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
-    meta = checkpoints.latest(ckpt_uri, w.fingerprint, cfg.storage_options)
-    resume_dir = checkpoints.download(meta, work / "resume", cfg.storage_options) if meta else None
+    meta, resume_dir = checkpoints.resume_point(ckpt_uri, w.fingerprint, work / "resume", cfg.storage_options)
     spec = {**{k: getattr(cfg, k) for k in SPEC_KEYS}, **extra_spec, "method": method, "model_dir": str(model_dir),
             "data_path": str(work / "data.parquet"), "work_dir": str(work), "ckpt_uri": ckpt_uri,
             "storage_options": store.check_no_secrets(cfg.storage_options), "fingerprint": w.fingerprint,
