@@ -25,7 +25,7 @@ def manifests(root: str) -> dict[str, store.Manifest]:
     fs, path = store.filesystem(root)
     out = {}
     for p in fs.find(path):
-        if p.endswith(store.MANIFEST):
+        if p.endswith(store.MANIFEST) and f"/{store.VERSIONS}/" not in p:  # kept versions are not the run's
             rel = p[len(path.rstrip("/")) + 1: -len(store.MANIFEST) - 1]
             out[rel] = store.read_manifest(root.rstrip("/") + "/" + rel)
     return out
