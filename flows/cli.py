@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's local API migrates a fresh database on its first start: 20 s (its default limit) is too
     # tight on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from flows.runtime import api_server_dies_with_us
     from stages.common import ConfigError
+
+    api_server_dies_with_us()  # kill -9 of this process alone must not leave Prefect's server behind
 
     try:
         if a.cmd == "demo":

@@ -38,6 +38,30 @@ def call(stage_task_obj, cfg) -> dict:
 
 
 
+def api_server_dies_with_us() -> None:
+    """Prefect's ephemeral API server (uvicorn, ~200 MB) is a plain child of the process that started it: a
+    SIGKILLed CLI (an OOM kill, a supervisor) left it alive holding its port. Start it with PR_SET_PDEATHSIG,
+    as training jobs are, by giving Prefect's server module a Popen that sets it."""
+    import subprocess
+    import types
+
+    from prefect.server.api import server
+
+    from rlhf_core.jobs import _die_with_parent
+
+    if getattr(server.subprocess, "dies_with_parent", False):
+        return
+
+    class Popen(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("preexec_fn", _die_with_parent)
+            super().__init__(*args, **kwargs)
+
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(vars(subprocess), Popen=Popen, dies_with_parent=True)
+    server.subprocess = shim
+
+
 def use_credentials(block_name: str) -> list[str]:
     """Load the Prefect Secret block `block_name` (a JSON object of environment variables) into this process's
     environment, which training jobs and the local Ray cluster inherit; the values are redacted from every
