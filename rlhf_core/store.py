@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import io
 import json
@@ -428,7 +429,7 @@ class ArtifactWriter:
     def write_table(self, name: str, table: pa.Table, row_group_size: int = 65536) -> str:
         self._note({name.split("/", 1)[0]})
         dest = join(self.path, name)
-        with self.fs.open(dest, "wb") as f:
+        with _space(self.uri, name), self.fs.open(dest, "wb") as f:
             pq.write_table(table, f, compression="zstd", row_group_size=row_group_size)
         self._record(name)
         self.rows = (self.rows or 0) + table.num_rows
@@ -437,7 +438,7 @@ class ArtifactWriter:
 
     def write_json(self, name: str, obj: Any) -> str:
         self._note({name.split("/", 1)[0]})
-        with self.fs.open(join(self.path, name), "w") as f:
+        with _space(self.uri, name), self.fs.open(join(self.path, name), "w") as f:
             f.write(json.dumps(obj, indent=2, sort_keys=True, default=str))
         self._record(name)
         return join(self.uri, name)
@@ -451,7 +452,8 @@ class ArtifactWriter:
                 rel = join(sub, p.relative_to(local_dir).as_posix()).lstrip("/") if sub else p.relative_to(local_dir).as_posix()
                 dest = join(self.path, rel)
                 self.fs.makedirs(self.fs._parent(dest), exist_ok=True)
-                self.fs.put_file(str(p), dest)
+                with _space(self.uri, rel):
+                    self.fs.put_file(str(p), dest)
                 self._record(rel)
 
     def commit(self, metrics: dict | None = None, rows: int | None = None) -> Manifest:
@@ -463,10 +465,23 @@ class ArtifactWriter:
             finished_at=_now(), host=socket.gethostname(),
         )
         check_fence()
-        write_atomic(self.fs, join(self.path, MANIFEST), m.to_json())  # LAST, in one step: this is the commit
+        with _space(self.uri, MANIFEST):
+            write_atomic(self.fs, join(self.path, MANIFEST), m.to_json())  # LAST, in one step: this is the commit
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(join(self.path, JOURNAL))
         return m
+
+
+@contextlib.contextmanager
+def _space(uri: str, name: str) -> Iterator[None]:
+    """A full disk (or quota, or file-size limit) under the store becomes one clear error naming the file."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise ArtifactError(f"{uri}: no space left writing {name} ({os.strerror(e.errno)}); nothing was committed: "
+                            f"free space or choose another output_uri, then rerun") from None
 
 
 # ---------------------------------------------------------------------------------------------- reading
