@@ -4,6 +4,7 @@
     rlhf-flows run FLOW --config FILE [key=value ...]      iterative-dpo | raft | conditional-sft
     rlhf-flows stage STAGE --config FILE [key=value ...]   one stage alone (prepare, generate, score, ...)
     rlhf-flows show URI                                    an artifact's manifest and lineage, or a run
+    rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
 """
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- show
-def _lineage(uri: str, depth: int, seen: set, out: list[str]) -> None:
+def _lineage(uri: str, depth: int, seen: set, out: list[str], fp: str | None = None) -> None:
     try:
-        m = store.read_manifest(uri)
+        m = store.read_version(uri, fp) if fp else store.read_manifest(uri)
     except (store.ArtifactError, FileNotFoundError, OSError) as e:
         out.append("  " * depth + f"{uri}  [not readable: {e}]")
         return
@@ -80,7 +81,7 @@ def _lineage(uri: str, depth: int, seen: set, out: list[str]) -> None:
         if i.get("stage") == "source":
             out.append("  " * (depth + 1) + f"source {i['fingerprint']} {i['uri']}")
         else:
-            _lineage(i["uri"], depth + 1, seen, out)
+            _lineage(i["uri"], depth + 1, seen, out, i.get("fingerprint"))
 
 
 def show(uri: str) -> str:
@@ -92,7 +93,9 @@ def show(uri: str) -> str:
         out += [f"artifact   {uri}", f"stage      {m.stage}", f"fingerprint {m.fingerprint}",
                 f"created    {m.created_at}", f"finished   {m.finished_at}  on {m.host}",
                 f"rows       {m.rows}", f"files      {len(m.files)} ({sum(f['size'] for f in m.files)} bytes)",
-                f"metrics    {json.dumps(m.metrics, default=str)}", "lineage:"]
+                f"metrics    {json.dumps(m.metrics, default=str)}"]
+        out += [f"version    {v.fingerprint} {v.uri} ({v.finished_at})" for v in store.versions(uri)]
+        out.append("lineage:")
         _lineage(uri, 1, set(), out)
         return "\n".join(out)
     fs, path = store.filesystem(uri)
@@ -109,13 +112,24 @@ def show(uri: str) -> str:
                                          for k, v in it.items() if not isinstance(v, dict)))
     out.append("artifacts:")
     for p in sorted(fs.find(path)):
-        if p.endswith(store.MANIFEST):
+        if p.endswith(store.MANIFEST) and f"/{store.VERSIONS}/" not in p:
             art = p[: -len(store.MANIFEST) - 1]
             full = uri + art[len(path):]
             m = store.read_manifest(full)
             out.append(f"  {full[len(uri) + 1:]:<32} {m.stage:<10} {m.fingerprint}  <- "
-                       + ", ".join(i["uri"][len(uri) + 1:] if i["uri"].startswith(uri) else i["uri"] for i in m.inputs))
+                       + ", ".join(i["uri"][len(uri) + 1:] if i["uri"].startswith(uri) else i["uri"] for i in m.inputs)
+                       + "".join(f"\n  {'':<32} previous {v.fingerprint}" for v in store.versions(full)))
     return "\n".join(out)
+
+
+def gc(uri: str, keep: int) -> str:
+    """`rlhf-flows gc`: prune old versions of the artifact at `uri`, or of every artifact under it."""
+    fs, path = store.filesystem(uri.rstrip("/"))
+    arts = [uri.rstrip("/") + p[len(path):-len(store.MANIFEST) - 1] for p in sorted(fs.find(path))
+            if p.endswith("/" + store.MANIFEST) and f"/{store.VERSIONS}/" not in p]
+    removed = [r for a in arts for r in store.prune_versions(a, keep)]
+    return "\n".join([f"removed {r}" for r in removed] + [f"{len(removed)} versions removed, {len(arts)} artifacts kept "
+                                                          f"their {keep} newest"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("overrides", nargs="*", help="key=value (dotted keys for nested fields)")
     sh = sub.add_parser("show", help="print an artifact's manifest and lineage, or a run's iterations")
     sh.add_argument("uri")
+    g = sub.add_parser("gc", help="delete all but the N newest versions of each artifact under URI")
+    g.add_argument("uri")
+    g.add_argument("--keep", type=int, required=True, help="versions to keep per artifact, the current one included (>= 1)")
     a = p.parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry calls from a closed network
     # Prefect's local API migrates a fresh database on its first start: 20 s (its default limit) is too
     # tight on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from flows.runtime import api_server_dies_with_us
     from stages.common import ConfigError
+
+    api_server_dies_with_us()  # kill -9 of this process alone must not leave Prefect's server behind
 
     try:
         if a.cmd == "demo":
@@ -146,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(a.name, a.config, a.overrides)
         if a.cmd == "stage":
             return cmd_stage(a.name, a.config, a.overrides)
-        print(show(a.uri))
+        print(gc(a.uri, a.keep) if a.cmd == "gc" else show(a.uri))
         return 0
-    except (ConfigError, store.ArtifactError, FileNotFoundError) as e:
+    except (ConfigError, store.ArtifactError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

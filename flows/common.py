@@ -12,9 +12,9 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from flows.runtime import Report, call, run_lock  # noqa: F401  (the flows use them through this module)
+from flows.runtime import Report, call, run_lock, use_credentials  # noqa: F401  (the flows use them through this module)
 from rlhf_core import store
 from stages.common import ConfigError
 
@@ -72,7 +72,12 @@ class LoopParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field("runs", description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
     run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$", description="Run folder under root; rerun = resume.")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (never logged).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description=
+                                            "fsspec options: endpoint, region... never credentials.")
+    credentials_block: str | None = Field(None, description="Name of a Prefect Secret block holding a JSON object of "
+                                          "environment variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) for "
+                                          "this run; unset: the worker's own environment.")
+    _no_secrets = field_validator("storage_options")(classmethod(lambda cls, v: store.check_no_secrets(v)))
     demo: bool = Field(False, description="Build the demo inputs (tiny models, toy-review data) offline first.")
     iterations: int = Field(3, ge=1, description="Number of loop iterations.")
     stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
@@ -104,7 +109,9 @@ def _stage(name: str):
 
 
 def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
-    """Before any work: the store answers and every stage config is valid."""
+    """Before any work: credentials are in the environment, the store answers and every stage config is valid."""
+    if p.credentials_block:
+        use_credentials(p.credentials_block)
     store.check_reachable(p.root, p.storage_options)
     validate(p, flow_name, checks)
     return {"flow": flow_name}

@@ -2,23 +2,32 @@
 progress artifacts, report.json, the reward plot) and the stage call that advances the progress bar."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
 from contextlib import contextmanager
+from pathlib import Path
+
+from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core import store
 from stages.common import call as run_stage
 
 LOCK = "_LOCK.json"
+log = logging.getLogger("rlhf_flows")
 _progress: dict = {}  # the running flow's Prefect progress artifact: {"id", "done", "total"}
 
 
 def call(stage_task_obj, cfg) -> dict:
-    """Run one stage (stages.common.call) and advance the flow's progress artifact."""
+    """Run one stage (stages.common.call) and advance the flow's progress artifact. A run whose lock was
+    lost stops here, before the next stage starts."""
+    store.check_fence()
     out = run_stage(stage_task_obj, cfg)
     if _progress.get("id"):
         from prefect.artifacts import update_progress_artifact
@@ -29,50 +38,279 @@ def call(stage_task_obj, cfg) -> dict:
 
 
 
+def api_server_dies_with_us() -> None:
+    """Prefect's ephemeral API server (uvicorn, ~200 MB) is a plain child of the process that started it: a
+    SIGKILLed CLI (an OOM kill, a supervisor) left it alive holding its port. Start it with PR_SET_PDEATHSIG,
+    as training jobs are, by giving Prefect's server module a Popen that sets it."""
+    import subprocess
+    import types
+
+    from prefect.server.api import server
+
+    from rlhf_core.jobs import _die_with_parent
+
+    if getattr(server.subprocess, "dies_with_parent", False):
+        return
+
+    class Popen(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("preexec_fn", _die_with_parent)
+            super().__init__(*args, **kwargs)
+
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(vars(subprocess), Popen=Popen, dies_with_parent=True)
+    server.subprocess = shim
+
+
+def use_credentials(block_name: str) -> list[str]:
+    """Load the Prefect Secret block `block_name` (a JSON object of environment variables) into this process's
+    environment, which training jobs and the local Ray cluster inherit; the values are redacted from every
+    error from here on. Returns the variable names (never the values)."""
+    from prefect.blocks.system import Secret
+
+    try:
+        values = Secret.load(block_name).get()
+    except ValueError as e:
+        raise ValueError(f"credentials_block {block_name!r}: no such Prefect Secret block ({e})") from None
+    if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
+        raise ValueError(f"credentials_block {block_name!r} must hold a JSON object of environment variables, e.g. "
+                         '{"AWS_ACCESS_KEY_ID": "...", "AWS_SECRET_ACCESS_KEY": "..."}')
+    for k, v in values.items():
+        os.environ[k] = v
+        if k not in store.SECRET_ENV:
+            store.SECRET_ENV.append(k)
+    return sorted(values)
+
+
 # ---------------------------------------------------------------------------------------------- lock
+class LockHeld(RuntimeError):
+    """Another live process holds the run."""
+
+
+LockLost = store.LockLost  # this process no longer holds its run lock: it must stop without committing
+
+
+class _LockObject:
+    """Create-if-absent and compare-and-swap on one small object.
+
+    Local folders: create = hard-link a complete temp file into place (fails if the name exists: O_EXCL's
+    guarantee, and readers never see a half-written lock); swap and delete run under a `.cas` mutex file
+    created with O_EXCL (a mutex older than 30 s is a crashed holder's and is removed).
+    S3: create = PUT with `If-None-Match: *`, swap = PUT with `If-Match: <ETag>`, delete = DELETE with
+    `If-Match`. An endpoint that ignores these headers (probed once per lock) gets the fallback: write, wait,
+    read back - best effort only; two starters within the same ~second may then both believe they won,
+    and fencing (the token check before every commit) is what stops the loser from committing."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        self.local = isinstance(fs, LocalFileSystem)
+        self.conditional = self.local or self._probe()
+
+    # ----- S3 helpers
+    def _s3(self, method: str, **kw) -> bool:
+        bucket, key = self.path.split("/", 1)
+        try:
+            self.fs.call_s3(method, Bucket=bucket, Key=key, **kw)
+            return True
+        except Exception as e:  # noqa: BLE001  s3fs/botocore wrap the 412/409 differently by version
+            text = f"{type(e).__name__} {e}"
+            if any(c in text for c in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")):
+                return False
+            if method == "delete_object" and isinstance(e, FileNotFoundError):
+                return False
+            raise
+
+    def _probe(self) -> bool:
+        bucket, key = self.path.split("/", 1)
+        probe = f"{self.path}.probe-{uuid.uuid4().hex[:8]}"
+        pkey = probe.split("/", 1)[1]
+        try:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=pkey, Body=b"1", IfNoneMatch="*")
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=pkey, Body=b"2", IfNoneMatch="*")
+                supported = False
+            except Exception as e:  # noqa: BLE001
+                supported = any(c in f"{type(e).__name__} {e}" for c in ("PreconditionFailed", "412", "409"))
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm(probe)
+        if not supported:
+            log.warning("object store ignores If-None-Match: run lock %s falls back to write + read back "
+                        "(best effort; fencing still checks the token before every commit)", self.path)
+        return supported
+
+    # ----- operations
+    def read(self) -> tuple[dict, str] | None:
+        """(content, tag) or None; tag identifies this exact version for swap/delete."""
+        try:
+            if self.local:
+                raw = Path(self.path).read_bytes()
+                return json.loads(raw or b"{}"), hashlib.sha256(raw).hexdigest()
+            etag = self.fs.info(self.path)["ETag"]  # before the body: a newer body with an older tag fails the swap
+            return json.loads(self.fs.cat_file(self.path) or b"{}"), etag
+        except FileNotFoundError:
+            return None
+
+    def create(self, data: dict) -> bool:
+        raw = json.dumps(data).encode()
+        if self.local:
+            tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
+            Path(tmp).write_bytes(raw)
+            try:
+                os.link(tmp, self.path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        if self.conditional:
+            return self._s3("put_object", Body=raw, IfNoneMatch="*")
+        if self.fs.exists(self.path):
+            return False
+        self.fs.pipe_file(self.path, raw)
+        time.sleep(1.0)  # fallback: let a racing writer land, then see whose write survived
+        got = self.read()
+        return bool(got and got[0].get("token") == data["token"])
+
+    def swap(self, data: dict, tag: str) -> bool:
+        raw = json.dumps(data).encode()
+        if self.local:
+            with self._mutex():
+                got = self.read()
+                if not got or got[1] != tag:
+                    return False
+                tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
+                Path(tmp).write_bytes(raw)
+                os.replace(tmp, self.path)
+                return True
+        if self.conditional:
+            return self._s3("put_object", Body=raw, IfMatch=tag)
+        got = self.read()
+        if not got or got[1] != tag:
+            return False
+        self.fs.pipe_file(self.path, raw)
+        return True
+
+    def delete(self, tag: str) -> bool:
+        if self.local:
+            with self._mutex():
+                got = self.read()
+                if not got or got[1] != tag:
+                    return False
+                os.unlink(self.path)
+                return True
+        if self.conditional:
+            return self._s3("delete_object", IfMatch=tag)
+        got = self.read()
+        if not got or got[1] != tag:
+            return False
+        self.fs.rm(self.path)
+        return True
+
+    @contextmanager
+    def _mutex(self):
+        m = self.path + ".cas"
+        deadline = time.time() + 30
+        while True:
+            try:
+                os.close(os.open(m, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                break
+            except FileExistsError:
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - os.stat(m).st_mtime > 30:
+                        os.unlink(m)  # its holder crashed inside the few lines above
+                        continue
+                if time.time() > deadline:
+                    raise LockHeld(f"cannot get {m} for 30 s")
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            os.unlink(m)
+
+
 @contextmanager
 def run_lock(root: str, run_name: str, lease_s: float = 120.0, storage_options: dict | None = None):
-    """One writer per run folder. The lock object names its holder and is refreshed every lease/4 seconds.
-    It is stale (taken over) when its lease expired, or when it was held on this host by a pid that is gone
-    (a SIGKILLed flow); otherwise a second run with the same run_name is refused with a clear message."""
-    fs, path = store.filesystem(store.join(root, run_name), storage_options)
-    lock_path = store.join(path, LOCK)
-    me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+    """One writer per run folder, held in `{root}/{run_name}/_LOCK.json` (holder, token, refreshed_at).
 
-    def write():
-        with fs.open(lock_path, "w") as f:
-            f.write(json.dumps({**me, "refreshed_at": time.time()}))
-
-    if fs.exists(lock_path):
-        with fs.open(lock_path) as f:
-            held = json.loads(f.read() or "{}")
-        alive = time.time() - held.get("refreshed_at", 0) < lease_s
-        if alive and held.get("host") == me["host"]:
-            alive = _pid_alive(held.get("pid"))
-        if alive:
-            raise RuntimeError(f"run {store.join(root, run_name)} is in use by pid {held.get('pid')} on "
-                               f"{held.get('host')} (lock {LOCK} refreshed {time.time() - held['refreshed_at']:.0f}s ago); "
-                               f"wait for it, or pick another run_name")
+    Taken by create-if-absent; a lock whose lease expired, or held on this host by a pid that is gone (a
+    SIGKILLed flow), is taken over by compare-and-swap, so of two racing starters exactly one wins. Refreshed
+    every lease/4 by compare-and-swap; a refresh that fails (taken over, or the store unreachable for half
+    a lease) marks the lock lost. Fencing: every commit inside the run first checks that the lock still holds
+    this process's token (and was not lost), so a process that lost its lock stops before committing.
+    Released only if it still holds our token."""
+    run_uri = store.join(root, run_name)
+    fs, path = store.filesystem(run_uri, storage_options)
     fs.makedirs(path, exist_ok=True)
-    write()
-    time.sleep(0.05)
-    with fs.open(lock_path) as f:  # lost a race with another starter?
-        if json.loads(f.read()).get("token") != me["token"]:
-            raise RuntimeError(f"run {store.join(root, run_name)} was just taken by another process")
+    obj = _LockObject(fs, store.join(path, LOCK))
+    me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "refreshed_at": time.time()}
+    for _ in range(5):
+        if obj.create(me):
+            break
+        got = obj.read()
+        if got is None:
+            continue  # released meanwhile: try again
+        held, tag = got
+        age = time.time() - held.get("refreshed_at", 0)
+        alive = age < lease_s and (held.get("host") != me["host"] or _pid_alive(held.get("pid")))
+        if alive:
+            raise LockHeld(f"run {run_uri} is in use by pid {held.get('pid')} on {held.get('host')} (lock {LOCK} "
+                           f"refreshed {age:.0f}s ago); wait for it, or pick another run_name")
+        me["refreshed_at"] = time.time()
+        if obj.swap(me, tag):
+            log.warning("took over the stale lock of %s (pid %s on %s, refreshed %.0fs ago)", run_uri,
+                        held.get("pid"), held.get("host"), age)
+            break
+    else:
+        raise LockHeld(f"run {run_uri} was just taken by another process")
+    state = {"lost": None, "ok_at": time.time()}
     stop = threading.Event()
 
-    def refresh():
-        while not stop.wait(lease_s / 4):
-            write()
+    def lost(why: str) -> None:
+        state["lost"] = f"run lock {run_uri}/{LOCK} lost: {why}; this run stops without committing"
+        log.error("%s", state["lost"])
 
-    t = threading.Thread(target=refresh, daemon=True)
+    def refresh():
+        while not state["lost"] and not stop.wait(lease_s / 4):
+            try:
+                got = obj.read()
+                if not got or got[0].get("token") != me["token"]:
+                    return lost(f"now held by pid {got[0].get('pid')} on {got[0].get('host')}" if got else "deleted")
+                if not obj.swap({**me, "refreshed_at": time.time()}, got[1]):
+                    return lost("changed by another process during refresh")
+                state["ok_at"] = time.time()
+            except Exception as e:  # noqa: BLE001  transient store errors: retry until half the lease is gone
+                why = store.redact(f"{type(e).__name__}: {e}", storage_options)
+                if time.time() - state["ok_at"] > lease_s / 2:
+                    return lost(f"refresh failed for {time.time() - state['ok_at']:.0f}s ({why})")
+                log.warning("run lock refresh failed, retrying: %s", why)
+
+    def check() -> None:  # the fencing-token check, before every commit
+        if state["lost"]:
+            raise LockLost(state["lost"])
+        got = obj.read()
+        if not got or got[0].get("token") != me["token"]:
+            lost(f"now held by pid {got[0].get('pid')} on {got[0].get('host')}" if got else "deleted")
+            raise LockLost(state["lost"])
+
+    t = threading.Thread(target=refresh, daemon=True, name=f"run-lock-{run_name}")
     t.start()
     try:
-        yield
+        with store.fence(check):
+            yield check
     finally:
         stop.set()
         t.join(5)
-        fs.rm(lock_path)
+        try:
+            got = obj.read()
+            if got and got[0].get("token") == me["token"]:
+                obj.delete(got[1])
+            elif got:
+                log.warning("not releasing %s/%s: it is held by pid %s on %s now", run_uri, LOCK,
+                            got[0].get("pid"), got[0].get("host"))
+        except Exception as e:  # noqa: BLE001  the lease expires by itself
+            log.warning("could not release %s/%s (%s); it expires after %ss", run_uri, LOCK,
+                        store.redact(f"{type(e).__name__}: {e}", storage_options), lease_s)
 
 
 def _pid_alive(pid) -> bool:

@@ -58,7 +58,8 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9  # vllm
     enable_prefix_caching: bool = False  # vllm
     max_model_len: int | None = None  # vllm; default prompt_max_len + max_new_tokens from the caller
-    storage_options: dict = field(default_factory=dict)  # to fetch a model URI inside the engine
+    storage_options: dict = field(default_factory=dict)  # to fetch a model URI inside the engine (no secrets)
+    stall_timeout_s: float = 3600.0  # fail when no engine finishes its shard for this long
 
 
 def _local_model(model: str, storage_options: dict) -> str:
@@ -219,9 +220,12 @@ def shard(n: int, parts: int) -> list[tuple[int, int]]:
 
 def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwargs: dict, num_engines: int,
                 ray_address: str | None = None, num_gpus_per_engine: float = 0, pass_offset: bool = False,
-                env: dict | None = None) -> list:
+                env: dict | None = None, stall_timeout_s: float = 3600.0, what: str = "engines") -> list:
     """Run `engine_cls(*init_args).method(shard, **call_kwargs)` over contiguous shards of `items`, in this
-    process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order."""
+    process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order.
+    Ray actors read credentials from their own environment (a local Ray inherits this process's), never from
+    arguments. A dead actor, or no shard finishing for `stall_timeout_s`, raises GenerationError naming
+    `what`; nothing is committed, so a rerun starts the stage again."""
     if num_engines <= 0:
         res = getattr(engine_cls(*init_args), method)(items, **call_kwargs)
         return list(res)
@@ -238,10 +242,19 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
         actors = [remote_cls.remote(*init_args) for _ in bounds]
         futures = [getattr(a, method).remote(items[s:e], **call_kwargs, **({"first_index": s} if pass_offset else {}))
                    for a, (s, e) in zip(actors, bounds)]
-        out = []
-        for part in ray.get(futures):  # ray.get keeps the shard order -> prompt order
-            out.extend(part)
-        return out
+        results, pending = {}, list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=stall_timeout_s)
+            if not done:
+                raise GenerationError(f"{what}: no engine finished its shard for {stall_timeout_s:g}s "
+                                      f"({len(pending)} of {len(futures)} still running): stalled (stall_timeout_s)")
+            k = futures.index(done[0])
+            try:
+                results[k] = ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                raise GenerationError(f"{what}: engine {k + 1} of {len(futures)} died mid-run "
+                                      f"({type(e).__name__}); nothing was committed, rerun to resume") from None
+        return [x for k in range(len(futures)) for x in results[k]]  # shard order -> prompt order
     finally:
         for a in actors:
             ray.kill(a)  # frees the engine's memory now, not at Ray shutdown
@@ -264,7 +277,8 @@ def generate(model: str, prompt_ids: list[list[int]], params: SamplingSpec, back
     t0 = time.perf_counter()
     out = run_engines(ENGINES[backend], (model, engine), "generate", prompt_ids,
                       {"params": params, "logprobs": logprobs}, num_engines, ray_address,
-                      num_gpus_per_engine=gpus if num_engines > 0 else 0, pass_offset=backend == "vllm", env=env)
+                      num_gpus_per_engine=gpus if num_engines > 0 else 0, pass_offset=backend == "vllm", env=env,
+                      stall_timeout_s=engine.stall_timeout_s, what=f"generate ({backend})")
     log.info("generated %d x %d samples with %s on %d engine(s) in %.1fs", len(prompt_ids), params.n, backend,
              num_engines, time.perf_counter() - t0)
     return out

@@ -13,10 +13,12 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +33,10 @@ class JobFailed(RuntimeError):
         how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
         super().__init__(f"training job failed ({how}): {' '.join(cmd[:6])} ...\n--- last lines ---\n"
                          + "\n".join(tail))
+
+
+class JobStalled(RuntimeError):
+    """The child printed nothing for `stall_timeout_s`: it was killed."""
 
 
 def free_port() -> int:
@@ -73,16 +79,26 @@ def job_env(num_procs: int, extra: dict | None = None) -> dict:
 
 
 def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tail_lines: int = 40,
-            on_line: Callable[[str], None] | None = None) -> list[str]:
+            on_line: Callable[[str], None] | None = None, stall_timeout_s: float | None = None,
+            what: str = "training job") -> list[str]:
     """Run `cmd`, forward each output line to the log (and `on_line`), return the last lines on exit 0.
-    Raises JobFailed on a non-zero exit; kills the child's process group on any exception here."""
+    Raises JobFailed on a non-zero exit, JobStalled (naming `what`) after `stall_timeout_s` without an
+    output line; kills the child's process group on any exception here."""
     log.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True, env=env, cwd=cwd, preexec_fn=_die_with_parent)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        while True:
+            try:
+                line = lines.get(timeout=stall_timeout_s)
+            except queue.Empty:
+                raise JobStalled(f"{what} made no progress (no output line) for {stall_timeout_s:g}s: killed "
+                                 "(stall_timeout_s); last lines:\n" + "\n".join(tail)) from None
+            if line is None:
+                break
             line = line.rstrip("\n")
             tail.append(line)
             log.info("%s", line)
@@ -95,6 +111,12 @@ def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tai
     if rc != 0:
         raise JobFailed(cmd, rc, list(tail))
     return list(tail)
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
 
 
 def _die_with_parent() -> None:

@@ -1,17 +1,29 @@
 """Artifact store: every stage input and output is an fsspec URI (local path, file://, s3://, gs://, memory://).
 
-A prefix becomes an artifact only when its `_MANIFEST.json` exists, and that file is written LAST: files
-first, manifest second. A prefix without a manifest is refused by every reader. The manifest's
-`fingerprint` (stage + config + input fingerprints + code version) is what makes a rerun skip finished
-work: a stage whose output already holds a manifest with the same fingerprint returns it untouched.
+A prefix becomes an artifact only when its `_MANIFEST.json` exists, and that file is written LAST, in one
+atomic step (temp file + rename locally, one PUT on S3): files first, manifest second. A prefix without a
+manifest is refused by every reader. The manifest's `fingerprint` (stage + config + input fingerprints +
+code version) is what makes a rerun skip finished work: a stage whose output already holds a manifest with
+the same fingerprint returns it untouched.
 
-S3 settings come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION) or from `storage_options`; credentials never enter a manifest,
-a log line or an error message (see `redact`).
+Versions: the current version lives at the prefix itself (an HF folder `from_pretrained` reads). A changed
+config first moves the committed version to `{prefix}/_versions/{fingerprint}/` (with its manifest), so a
+model that took days is never destroyed and a downstream manifest's (uri, fingerprint) still resolves
+(`read_version`). Only `prune_versions` (`rlhf-flows gc URI --keep N`) deletes versions. A writer owns only
+what it wrote: `_MANIFEST.json`, `_versions/`, `checkpoints/`, `_job/`, the files its manifests list and the names its
+journal `_WRITING.json` recorded before writing them; any other file under `output_uri` is refused by name.
+
+Credentials come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ... of the process,
+which training jobs and Ray workers inherit; flows can fill it from a Prefect Secret block). `storage_options`
+holds only non-secret settings (endpoint, region, timeouts): `check_no_secrets` refuses key/secret/token there,
+because options travel as Prefect parameters (stored in its database, shown in the UI), spec files and Ray
+actor arguments. Secrets never enter a manifest, a log line or an error message (see `redact`).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
 import fnmatch
 import hashlib
 import io
@@ -52,6 +64,20 @@ class StoreUnreachableError(ArtifactError):
     pass
 
 
+class LockLost(ArtifactError):
+    """This process no longer holds its run lock (the fencing check before a commit): it must stop."""
+
+
+class ForeignFilesError(ArtifactError):
+    """The output prefix holds files this project did not write: they are never touched."""
+
+
+JOURNAL = "_WRITING.json"
+TEMPS = (f".{MANIFEST}.tmp-", f".{JOURNAL}.tmp-")  # write_atomic's temp files
+VERSIONS = "_versions"
+RESERVED = {MANIFEST, JOURNAL, VERSIONS, "checkpoints", "_job"}  # _job: a training job's spec and data
+
+
 # ---------------------------------------------------------------------------------------------- URIs
 def join(uri: str, *parts: str) -> str:
     out = str(uri).rstrip("/")
@@ -67,8 +93,32 @@ def run_prefix(root: str, run_name: str, stage: str, iteration: int | None = Non
     return join(root, run_name, f"iter-{iteration}", stage)
 
 
+SECRET_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+               "aws_session_token", "session_token", "access_key", "secret_key", "account_key", "sas_token",
+               "connection_string", "credentials", "token_file"}
+SECRET_ENV = ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"]  # + names a credentials block set
+
+
+def check_no_secrets(options: dict | None, where: str = "storage_options") -> dict:
+    """Refuse credentials in `options` (nested dicts too), naming the keys: they belong in the environment."""
+    found = []
+
+    def walk(d, prefix):
+        for k, v in (d or {}).items():
+            if str(k).lower() in SECRET_KEYS:
+                found.append(prefix + str(k))
+            elif isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+    walk(options, f"{where}.")
+    if found:
+        raise ValueError(f"{', '.join(found)}: credentials are not accepted here (parameters are stored by Prefect "
+                         f"and shown in its UI); set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment of "
+                         f"the process or worker, or name a Prefect Secret block in credentials_block")
+    return options or {}
+
+
 def _secrets(storage_options: dict | None) -> list[str]:
-    vals = [os.environ.get(k, "") for k in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN")]
+    vals = [os.environ.get(k, "") for k in SECRET_ENV]
     for k in ("secret", "key", "token"):
         vals.append(str((storage_options or {}).get(k, "")))
     return [v for v in vals if len(v) >= 4]
@@ -78,6 +128,19 @@ def redact(text: str, storage_options: dict | None = None) -> str:
     for s in _secrets(storage_options):
         text = text.replace(s, "***")
     return text
+
+
+def redact_error(e: BaseException, storage_options: dict | None = None) -> BaseException:
+    """`e` itself when no message in its chain holds a secret, else a RuntimeError carrying the redacted
+    type and message of each link (raise it `from None`: the originals must not travel on)."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 10:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    text = " <- ".join(f"{type(x).__name__}: {x}" for x in chain)
+    if redact(text, storage_options) == text:
+        return e
+    return RuntimeError(redact(text, storage_options))
 
 
 def storage_options_for(uri: str, storage_options: dict | None = None) -> dict:
@@ -175,18 +238,91 @@ def read_manifest(uri: str, stage: str | tuple[str, ...] | None = None, storage_
     mpath = join(path, MANIFEST)
     try:
         with fs.open(mpath, "r") as f:
-            m = Manifest.from_json(f.read())
+            text = f.read()
     except FileNotFoundError:
         what = "has files but no" if _has_files(fs, path) else "does not exist or has no"
         raise NotCommittedError(f"{uri} is not a committed artifact: it {what} {MANIFEST}") from None
     except Exception as e:  # OSError, botocore / aiohttp connection errors
         raise StoreUnreachableError(f"cannot read {uri} (endpoint {endpoint_of(uri, storage_options)}): "
                                     + redact(f"{type(e).__name__}: {e}", storage_options)) from None
+    try:
+        m = Manifest.from_json(text)
+    except (ValueError, TypeError) as e:  # commits are atomic, so only a foreign or damaged file gets here
+        raise ArtifactError(f"{uri}: {MANIFEST} is corrupt ({type(e).__name__}: {e})") from None
     stages = (stage,) if isinstance(stage, str) else stage
     if stages and m.stage not in stages:
         raise StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")
     m.uri = str(uri)
     return m
+
+
+def write_atomic(fs, path: str, text: str) -> None:
+    """Replace `path` in one step: readers see the old content or the new, never a partial file."""
+    data = text.encode()
+    if isinstance(fs, LocalFileSystem):
+        parent, name = os.path.split(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    else:  # object stores: one PUT is atomic (s3fs sends bodies under 50 MB as one put_object)
+        fs.pipe_file(path, data)
+
+
+def read_version(uri: str, fp: str, storage_options: dict | None = None) -> Manifest:
+    """The version of artifact `uri` with fingerprint `fp`: the current one, or one kept under _versions/.
+    This is how a downstream manifest's input (uri, fingerprint) resolves after its input changed."""
+    try:
+        m = read_manifest(uri, storage_options=storage_options)
+        if m.fingerprint == fp:
+            return m
+    except NotCommittedError:
+        pass
+    return read_manifest(join(uri, VERSIONS, fp), storage_options=storage_options)
+
+
+def versions(uri: str, storage_options: dict | None = None) -> list[Manifest]:
+    """Previous committed versions of `uri` kept under _versions/, newest first."""
+    fs, path = filesystem(uri, storage_options)
+    vdir = join(path, VERSIONS)
+    out = []
+    if fs.exists(vdir):
+        for p in fs.ls(vdir, detail=False):
+            name = p.rstrip("/").rsplit("/", 1)[-1]
+            try:
+                out.append(read_manifest(join(uri, VERSIONS, name), storage_options=storage_options))
+            except NotCommittedError:
+                pass
+    return sorted(out, key=lambda m: m.finished_at, reverse=True)
+
+
+def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> list[str]:
+    """Delete all but the `keep` newest versions of artifact `uri` (the current one counts and always stays),
+    and any half-archived version folder. Returns the URIs removed."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1 (the current version always stays)")
+    fs, path = filesystem(uri, storage_options)
+    vdir = join(path, VERSIONS)
+    if not fs.exists(vdir):
+        return []
+    kept = {m.fingerprint for m in versions(uri, storage_options)[: keep - 1]}
+    removed = []
+    for p in fs.ls(vdir, detail=False):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name not in kept:
+            fs.rm(join(vdir, name), recursive=True)
+            removed.append(join(uri, VERSIONS, name))
+    if not fs.ls(vdir, detail=False):
+        fs.rm(vdir, recursive=True)
+    return removed
 
 
 def _has_files(fs, path: str) -> bool:
@@ -207,7 +343,8 @@ def committed(uri: str, fp: str, storage_options: dict | None = None) -> Manifes
 
 # ---------------------------------------------------------------------------------------------- writing
 class ArtifactWriter:
-    """Writes one artifact: `begin()` un-commits a stale prefix, files go in, `commit()` writes the manifest.
+    """Writes one artifact: `begin()` keeps the previous version and checks the prefix holds only our files,
+    files go in, `commit()` writes the manifest atomically.
 
         w = ArtifactWriter(out_uri, "filter", cfg_dict, inputs={"scored": scored_manifest})
         if (done := w.existing()): return done          # same fingerprint: skip the work
@@ -225,29 +362,76 @@ class ArtifactWriter:
         self.rows: int | None = None
         self.schema: dict | None = None
         self.created_at = _now()
+        self._journal: set[str] = set()
 
     def existing(self) -> Manifest | None:
         return committed(self.uri, self.fingerprint, self.storage_options)
 
-    def begin(self, keep: tuple[str, ...] = ()) -> None:
-        """Remove a stale manifest (other fingerprint) so the prefix reads as uncommitted while we rewrite.
-        Old data files are deleted too, except subfolders named in `keep` (training checkpoints)."""
-        mpath = join(self.path, MANIFEST)
-        if self.fs.exists(mpath):
-            self.fs.rm(mpath)
-        if self.fs.exists(self.path):
-            for p in self.fs.ls(self.path, detail=False):
-                if Path(p).name not in keep:
-                    self.fs.rm(p, recursive=True)
-        self.fs.makedirs(self.path, exist_ok=True)
+    def begin(self) -> None:
+        """Before writing: refuse a prefix holding files we did not write (naming them); move a committed
+        version with another fingerprint to _versions/{fingerprint}/ (never delete it); un-commit the prefix."""
+        fs, path = self.fs, self.path
+        old = None
+        if fs.exists(join(path, MANIFEST)):
+            old = read_manifest(self.uri, storage_options=self.storage_options)
+        journal = self._read_journal()
+        if fs.exists(path):
+            ours = RESERVED | journal | {f["path"].split("/", 1)[0] for f in (old.files if old else [])}
+            foreign = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+                             if n not in ours and not n.startswith(TEMPS))
+            if foreign:
+                more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+                raise ForeignFilesError(
+                    f"{self.uri} holds files this project did not write: {', '.join(foreign[:5])}{more}; refusing to "
+                    f"write there (nothing was changed): choose an empty or new output_uri")
+        if old is not None:
+            self._archive(old)
+        self._note({f["path"].split("/", 1)[0] for f in (old.files if old else [])} | journal)
+        if old is not None:
+            fs.rm(join(path, MANIFEST))  # un-committed from here: readers refuse the prefix
+            for top in {f["path"].split("/", 1)[0] for f in old.files}:
+                p = join(path, top)
+                if fs.exists(p):
+                    fs.rm(p, recursive=True)
+        fs.makedirs(path, exist_ok=True)
+
+    def _archive(self, old: Manifest) -> None:
+        """Copy the committed version under _versions/{fingerprint}/, its manifest LAST (then it counts)."""
+        fs, vpath = self.fs, join(self.path, VERSIONS, old.fingerprint)
+        if fs.exists(join(vpath, MANIFEST)):
+            return
+        for f in old.files:
+            src, dst = join(self.path, f["path"]), join(vpath, f["path"])
+            if isinstance(fs, LocalFileSystem):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                if not os.path.exists(dst):
+                    os.link(src, dst)  # a hard link: no copy; the root's name is removed after, the bytes stay
+            else:
+                fs.copy(src, dst)  # server-side copy: no bytes through this machine
+        old.uri = join(self.uri, VERSIONS, old.fingerprint)
+        write_atomic(fs, join(vpath, MANIFEST), old.to_json())
+
+    def _read_journal(self) -> set[str]:
+        try:
+            with self.fs.open(join(self.path, JOURNAL), "r") as f:
+                return set(json.loads(f.read()).get("names", []))
+        except (FileNotFoundError, ValueError):
+            return set()
+
+    def _note(self, names: set[str]) -> None:
+        """Record top-level names in the journal BEFORE writing them, so a crashed writer's files read as ours."""
+        if not names <= self._journal:
+            self._journal |= names
+            write_atomic(self.fs, join(self.path, JOURNAL), json.dumps({"names": sorted(self._journal)}))
 
     def _record(self, rel: str) -> None:
         size = self.fs.size(join(self.path, rel))
         self.files = [f for f in self.files if f["path"] != rel] + [{"path": rel, "size": size}]
 
     def write_table(self, name: str, table: pa.Table, row_group_size: int = 65536) -> str:
+        self._note({name.split("/", 1)[0]})
         dest = join(self.path, name)
-        with self.fs.open(dest, "wb") as f:
+        with _space(self.uri, name), self.fs.open(dest, "wb") as f:
             pq.write_table(table, f, compression="zstd", row_group_size=row_group_size)
         self._record(name)
         self.rows = (self.rows or 0) + table.num_rows
@@ -255,7 +439,8 @@ class ArtifactWriter:
         return join(self.uri, name)
 
     def write_json(self, name: str, obj: Any) -> str:
-        with self.fs.open(join(self.path, name), "w") as f:
+        self._note({name.split("/", 1)[0]})
+        with _space(self.uri, name), self.fs.open(join(self.path, name), "w") as f:
             f.write(json.dumps(obj, indent=2, sort_keys=True, default=str))
         self._record(name)
         return join(self.uri, name)
@@ -263,12 +448,14 @@ class ArtifactWriter:
     def upload_dir(self, local_dir: str | Path, sub: str = "") -> None:
         """Copy a local directory (an HF `save_pretrained` folder) under the prefix."""
         local_dir = Path(local_dir)
+        self._note({sub.strip("/").split("/", 1)[0]} if sub else {p.name for p in local_dir.iterdir()})
         for p in sorted(local_dir.rglob("*")):
             if p.is_file():
                 rel = join(sub, p.relative_to(local_dir).as_posix()).lstrip("/") if sub else p.relative_to(local_dir).as_posix()
                 dest = join(self.path, rel)
                 self.fs.makedirs(self.fs._parent(dest), exist_ok=True)
-                self.fs.put_file(str(p), dest)
+                with _space(self.uri, rel):
+                    self.fs.put_file(str(p), dest)
                 self._record(rel)
 
     def commit(self, metrics: dict | None = None, rows: int | None = None) -> Manifest:
@@ -279,9 +466,24 @@ class ArtifactWriter:
             schema=self.schema, metrics=metrics or {}, config=self.config, created_at=self.created_at,
             finished_at=_now(), host=socket.gethostname(),
         )
-        with self.fs.open(join(self.path, MANIFEST), "w") as f:  # LAST: this is the commit
-            f.write(m.to_json())
+        check_fence()
+        with _space(self.uri, MANIFEST):
+            write_atomic(self.fs, join(self.path, MANIFEST), m.to_json())  # LAST, in one step: this is the commit
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(join(self.path, JOURNAL))
         return m
+
+
+@contextlib.contextmanager
+def _space(uri: str, name: str) -> Iterator[None]:
+    """A full disk (or quota, or file-size limit) under the store becomes one clear error naming the file."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise ArtifactError(f"{uri}: no space left writing {name} ({os.strerror(e.errno)}); nothing was committed: "
+                            f"free space or choose another output_uri, then rerun") from None
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -434,6 +636,25 @@ def commit_model_dir(local_dir: str | Path, uri: str, stage: str, config: dict, 
     w.begin()
     w.upload_dir(local_dir)
     return w.commit(metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------- fencing
+_fences: list = []  # callables raising when this process no longer holds the run lock (flows/runtime.py)
+
+
+@contextlib.contextmanager
+def fence(check) -> Iterator[None]:
+    """While inside, every commit first calls `check()` (the run lock's fencing-token check)."""
+    _fences.append(check)
+    try:
+        yield
+    finally:
+        _fences.remove(check)
+
+
+def check_fence() -> None:
+    for check in list(_fences):
+        check()
 
 
 def new_run_id() -> str:

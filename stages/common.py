@@ -8,14 +8,16 @@ so `rlhf-flows stage NAME --config F k=v` can load any of them the same way.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rlhf_core import store
 
@@ -33,7 +35,10 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     output_uri: str = Field(description="Where the artifact is written (fsspec URI); committed by _MANIFEST.json.")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for s3/gs (never logged).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description=
+                                            "fsspec options for s3/gs: endpoint, region... never credentials "
+                                            "(those come from the environment).")
+    _no_secrets = field_validator("storage_options")(classmethod(lambda cls, v: store.check_no_secrets(v)))
 
     # Fields that do not change what the stage produces (placement, parallelism): left out of the fingerprint.
     runtime_fields: ClassVar[set[str]] = {"output_uri", "storage_options"}
@@ -100,9 +105,23 @@ def _fields(e: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- Prefect
+PACKAGES = ("rlhf_core", "stages", "flows")
+
+
+@functools.lru_cache(maxsize=None)
+def source_version(root: str = str(Path(__file__).resolve().parents[1])) -> str:
+    """A hash of every .py file of the project's packages: any code edit changes it (no manual bump)."""
+    h = hashlib.sha256()
+    for pkg in PACKAGES:
+        for f in sorted((Path(root) / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _cache_key(context, parameters) -> str | None:
-    """Prefect cache key: task source + config + the fingerprints of its committed inputs. The stage's own
-    manifest check (run() returning the committed artifact) stays the authority; see `call`."""
+    """Prefect cache key: the stage module's own source + the package's source version + config + the
+    fingerprints of its committed inputs. The stage's own manifest check (run() returning the committed
+    artifact) stays the authority; see `call`."""
     cfg = parameters["cfg"]
     fps = []
     for uri in cfg.input_uris().values():
@@ -110,8 +129,8 @@ def _cache_key(context, parameters) -> str | None:
             fps.append(store.read_manifest(uri, storage_options=cfg.storage_options).fingerprint)
         except store.ArtifactError:
             return None  # inputs are not all committed: do not cache
-    src = inspect.getsource(context.task.fn)
-    payload = "|".join([context.task.name, src, store.CODE_VERSION, cfg.model_dump_json(), *fps])
+    src = getattr(context.task.fn, "stage_source", None) or inspect.getsource(context.task.fn)
+    payload = "|".join([context.task.name, src, source_version(), store.CODE_VERSION, cfg.model_dump_json(), *fps])
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -122,11 +141,18 @@ def stage_task(name: str, run: Callable, **options):
     def body(cfg):
         import dataclasses
 
-        return dataclasses.asdict(run(cfg))
+        try:
+            return dataclasses.asdict(run(cfg))
+        except Exception as e:  # Prefect logs and stores a task's exception: only a redacted one gets there
+            clean = store.redact_error(e, cfg.storage_options)
+            if clean is e:
+                raise
+            raise clean from None
 
     body.__name__ = f"{name}_task"
     body.__qualname__ = body.__name__
     body.__doc__ = f"Prefect task running stages.{name}.run(cfg); returns the committed manifest."
+    body.stage_source = inspect.getsource(sys.modules[run.__module__])  # the generic body is the same for all
     return task(name=name, cache_key_fn=_cache_key, persist_result=True, result_serializer="json",
                 task_run_name=f"{name}", **options)(body)
 
@@ -151,5 +177,8 @@ def call(stage_task_obj, cfg) -> dict:
             out = stage_task_obj.with_options(refresh_cache=True)(cfg)
         return out
     except Exception as e:
-        raise StageFailed(f"stage {stage_task_obj.name!r} failed writing {cfg.output_uri}: "
-                          f"{type(e).__name__}: {store.redact(str(e), cfg.storage_options)}") from e
+        err = StageFailed(f"stage {stage_task_obj.name!r} failed writing {cfg.output_uri}: "
+                          f"{type(e).__name__}: {store.redact(str(e), cfg.storage_options)}")
+        if store.redact_error(e, cfg.storage_options) is e:
+            raise err from e
+        raise err from None  # the original chain holds a secret: it stays here

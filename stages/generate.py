@@ -54,9 +54,10 @@ class Config(StageConfig):
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs per engine.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vllm: fraction of GPU memory.")
     enable_prefix_caching: bool = Field(False, description="vllm: share KV cache of common prompt prefixes.")
+    stall_timeout_s: float = Field(3600.0, gt=0, description="Fail naming the stage when no engine finishes for this long.")
 
     runtime_fields = StageConfig.runtime_fields | {"num_engines", "ray_address", "batch_size", "tensor_parallel_size",
-                                                   "gpu_memory_utilization", "enable_prefix_caching"}
+                                                   "gpu_memory_utilization", "enable_prefix_caching", "stall_timeout_s"}
 
     @field_validator("backend")
     @classmethod
@@ -131,7 +132,7 @@ def run(cfg: Config) -> store.Manifest:
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         enable_prefix_caching=cfg.enable_prefix_caching,
                         max_model_len=max(len(p) for p in prompt_ids) + cfg.max_new_tokens,
-                        storage_options=cfg.storage_options)
+                        storage_options=cfg.storage_options, stall_timeout_s=cfg.stall_timeout_s)
     model = cfg.policy_uri if cfg.ray_address else str(policy_dir)  # a remote cluster fetches the artifact itself
     t0 = time.perf_counter()
     outs = generate(model, prompt_ids, params, cfg.backend, cfg.num_engines, cfg.ray_address, engine, cfg.logprobs)

@@ -20,7 +20,11 @@ log = logging.getLogger("rlhf_flows")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that must not be resumed from; the message names it."""
+    """A checkpoint that must not be resumed from; the message names it. `tag` is set for a corrupt one."""
+
+    def __init__(self, msg: str, tag: str | None = None):
+        super().__init__(msg)
+        self.tag = tag
 
 
 def _sha256(path: Path) -> str:
@@ -79,11 +83,11 @@ def _step(tag: str) -> int:
         return -1
 
 
-def latest(root_uri: str, fingerprint: str, storage_options: dict | None = None) -> dict | None:
+def latest(root_uri: str, fingerprint: str, storage_options: dict | None = None, skip: set = frozenset()) -> dict | None:
     """The newest committed checkpoint's marker (plus "uri"), None if there is none; CheckpointError if the
-    newest is foreign or corrupt."""
+    newest is foreign or corrupt. Tags in `skip` are passed over."""
     fs, root = store.filesystem(root_uri, storage_options)
-    for tag in sorted(_tags(fs, root), key=_step, reverse=True):
+    for tag in sorted(set(_tags(fs, root)) - set(skip), key=_step, reverse=True):
         uri, mpath = store.join(root_uri, tag), store.join(root, tag, MARKER)
         if not fs.exists(mpath):
             log.warning("ignoring incomplete checkpoint %s (no %s)", uri, MARKER)
@@ -94,7 +98,7 @@ def latest(root_uri: str, fingerprint: str, storage_options: dict | None = None)
             files, fp = meta["files"], meta["fingerprint"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"corrupt checkpoint {uri}: unreadable {MARKER} ({type(e).__name__}: {e}); "
-                                  f"delete it to train from scratch") from None
+                                  f"delete it to train from scratch", tag) from None
         if fp != fingerprint:
             raise CheckpointError(f"foreign checkpoint {uri}: made by a job with fingerprint {fp}, this job is "
                                   f"{fingerprint} (another config or input); delete it or set resume=false")
@@ -102,7 +106,7 @@ def latest(root_uri: str, fingerprint: str, storage_options: dict | None = None)
             p = store.join(root, tag, fi["path"])
             if not fs.exists(p) or fs.size(p) != fi["size"]:
                 raise CheckpointError(f"corrupt checkpoint {uri}: file {fi['path']} is missing or has the wrong "
-                                      f"size (expected {fi['size']} bytes); delete it to train from scratch")
+                                      f"size (expected {fi['size']} bytes); delete it to train from scratch", tag)
         return {**meta, "uri": uri}
     return None
 
@@ -117,8 +121,29 @@ def download(meta: dict, local_dir: str | Path, storage_options: dict | None = N
         fs.get_file(store.join(path, fi["path"]), str(target))
         if _sha256(target) != fi["sha256"]:
             raise CheckpointError(f"corrupt checkpoint {meta['uri']}: file {fi['path']} does not match its sha256 "
-                                  f"in {MARKER}; delete it to train from scratch")
+                                  f"in {MARKER}; delete it to train from scratch", meta["tag"])
     return dest
+
+
+def resume_point(root_uri: str, fingerprint: str, local_dir: str | Path,
+                 storage_options: dict | None = None) -> tuple[dict | None, Path | None]:
+    """The newest checkpoint that verifies (marker, sizes, every sha256), downloaded: a corrupt one is logged
+    and passed over for the previous one, and with none left training starts fresh (also logged). A foreign
+    checkpoint (another job's) still stops with CheckpointError: that is a configuration mistake."""
+    skip: set[str] = set()
+    while True:
+        try:
+            meta = latest(root_uri, fingerprint, storage_options, skip)
+            if meta is None:
+                if skip:
+                    log.warning("no intact checkpoint left under %s: training from scratch", root_uri)
+                return None, None
+            return meta, download(meta, local_dir, storage_options)
+        except CheckpointError as e:
+            if e.tag is None:
+                raise
+            log.warning("%s: passing over it for the previous checkpoint", str(e).split(";")[0])
+            skip.add(e.tag)
 
 
 def remove_all(root_uri: str, storage_options: dict | None = None) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -69,6 +71,8 @@ class TrainFields(BaseModel):
     resume: bool = Field(True, description="Continue from the latest checkpoint of the same job; false deletes checkpoints.")
     log_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
     debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a job).")
+    stall_timeout_s: float = Field(1800.0, gt=0, description="Kill the job and fail when it prints no line for this long.")
+    upload_retries: int = Field(3, ge=0, description="Retries of the final upload (the model stays on local disk).")
 
     @model_validator(mode="after")
     def _batches_divide(self):
@@ -84,7 +88,7 @@ class TrainFields(BaseModel):
 
 
 TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
-                 "log_steps", "debug_step_sleep"}
+                 "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries"}
 SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "dataset_probs", "apply_chat_template", "input_template",
                                              "max_samples", "max_len", "overlong"}
 
@@ -123,11 +127,53 @@ def tokenizer_id(tok) -> str:
 
 def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[dict], model_dir: Path, tokenizer,
                      extra_spec: dict, metrics: dict, model_uri: str | None = None) -> store.Manifest:
-    """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`. The job's
-    spec and data also go to `{output_uri}/_job/` so ranks on other nodes fetch them (and `model_uri`, and
-    the resume checkpoint) from the store into their own caches: multi-node needs no shared disk."""
-    w.begin(keep=("checkpoints",))
+    """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`.
+
+    The job's spec and data also go to `{output_uri}/_job/` (removed when the job exits) so ranks on other
+    nodes fetch them (and `model_uri`, and the resume checkpoint) from the store into their own caches:
+    multi-node needs no shared disk. The spec holds no credentials (jobs read them from their environment).
+    The trained model stays in the local work folder until the commit succeeded: a failed upload is retried
+    (`upload_retries`), and a rerun after it failed finds the finished job there and commits without
+    retraining."""
+    w.begin()  # checkpoints/ is kept: the same job resumes from it
     work = store.cache_root() / "jobs" / w.fingerprint
+    result = _finished(work)
+    if result:
+        log.info("reusing the model trained for %s in %s (its upload had failed): not retraining", w.uri, work)
+    else:
+        result = _train(cfg, w, work, method, records, model_dir, tokenizer, extra_spec, model_uri)
+    for attempt in range(cfg.upload_retries + 1):
+        try:
+            w.upload_dir(work / "model")
+            w.write_json("training_log.json", result["history"])
+            m = w.commit(metrics={**metrics, **{k: v for k, v in result.items() if k != "history"}})
+            break
+        except store.LockLost:
+            raise
+        except Exception as e:  # noqa: BLE001  a store outage: the model is safe on local disk
+            why = store.redact(f"{type(e).__name__}: {e}", cfg.storage_options)
+            if attempt == cfg.upload_retries:
+                raise store.ArtifactError(f"upload of the trained model to {w.uri} failed {attempt + 1} times ({why}); "
+                                          f"the model is kept in {work}: rerun to commit it without retraining") from None
+            log.warning("upload to %s failed (%s); retrying in %ss", w.uri, why, 2 ** attempt)
+            time.sleep(2 ** attempt)
+    checkpoints.remove_all(store.join(w.uri, "checkpoints"), cfg.storage_options)
+    shutil.rmtree(work, ignore_errors=True)
+    return m
+
+
+def _finished(work: Path) -> dict | None:
+    """The result of a job that trained to its planned step count in `work` (saved model included)."""
+    try:
+        result = json.loads((work / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = result.get("steps_done") == result.get("planned_steps") and (work / "model" / "config.json").exists()
+    return result if ok else None
+
+
+def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[dict], model_dir: Path, tokenizer,
+           extra_spec: dict, model_uri: str | None) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(records), work / "data.parquet")
@@ -138,24 +184,32 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
-    meta = checkpoints.latest(ckpt_uri, w.fingerprint, cfg.storage_options)
-    resume_dir = checkpoints.download(meta, work / "resume", cfg.storage_options) if meta else None
+    meta, resume_dir = checkpoints.resume_point(ckpt_uri, w.fingerprint, work / "resume", cfg.storage_options)
     spec = {**{k: getattr(cfg, k) for k in SPEC_KEYS}, **extra_spec, "method": method, "model_dir": str(model_dir),
             "data_path": str(work / "data.parquet"), "work_dir": str(work), "ckpt_uri": ckpt_uri,
-            "storage_options": cfg.storage_options, "fingerprint": w.fingerprint, "pad_id": models.pad_id(tokenizer, model_dir),
-            "resume_dir": str(resume_dir) if resume_dir else None, "resume_uri": meta["uri"] if meta else None,
-            "resume": meta, "step_sleep": cfg.debug_step_sleep, "model_uri": model_uri or str(model_dir),
-            "data_uri": store.join(job_uri, "data.parquet"), "launch_cache": str(store.cache_root())}
-    spec_uri = store.join(job_uri, "spec.json")
-    with fs.open(store.join(job_path, "spec.json"), "w") as f:
+            "storage_options": store.check_no_secrets(cfg.storage_options), "fingerprint": w.fingerprint,
+            "pad_id": models.pad_id(tokenizer, model_dir), "resume_dir": str(resume_dir) if resume_dir else None,
+            "resume_uri": meta["uri"] if meta else None, "resume": meta, "step_sleep": cfg.debug_step_sleep,
+            "model_uri": model_uri or str(model_dir), "data_uri": store.join(job_uri, "data.parquet"),
+            "launch_cache": str(store.cache_root())}
+    spec_path = work / "spec.json"
+    with os.fdopen(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(json.dumps(spec, default=list))
+    spec_uri = store.join(job_uri, "spec.json")
+    fs.put_file(str(spec_path), store.join(job_path, "spec.json"))
     cmd = jobs.launcher_command("rlhf_core.train.entry", [spec_uri], cfg.launcher, cfg.num_gpus, cfg.num_nodes,
                                 cfg.hostfile, cfg.master_port, cfg.master_addr)
     if cfg.launcher == "torchrun" and cfg.num_nodes > 1:
         log.info("start node k = 1..%d with: %s", cfg.num_nodes - 1, " ".join(
             jobs.launcher_command("rlhf_core.train.entry", [spec_uri], "torchrun", cfg.num_gpus, cfg.num_nodes,
                                   None, cfg.master_port, cfg.master_addr, node_rank="k")))
-    jobs.run_job(cmd, env=jobs.job_env(cfg.num_gpus))
+    try:
+        jobs.run_job(cmd, env=jobs.job_env(cfg.num_gpus), stall_timeout_s=cfg.stall_timeout_s,
+                     what=f"{method} training for {w.uri}")
+    finally:
+        spec_path.unlink(missing_ok=True)
+        if fs.exists(job_path):
+            fs.rm(job_path, recursive=True)
     result_path = work / "result.json"
     if not result_path.exists():
         raise TrainingIncomplete(f"training job for {w.uri} exited 0 but wrote no result.json: not committed")
@@ -163,10 +217,4 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"training for {w.uri} stopped at step {result['steps_done']} of "
                                  f"{result['planned_steps']}: not committed")
-    w.upload_dir(work / "model")
-    w.write_json("training_log.json", result.pop("history"))
-    m = w.commit(metrics={**metrics, **result})
-    checkpoints.remove_all(ckpt_uri, cfg.storage_options)
-    fs.rm(job_path, recursive=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return m
+    return result

@@ -25,7 +25,7 @@ def manifests(root: str) -> dict[str, store.Manifest]:
     fs, path = store.filesystem(root)
     out = {}
     for p in fs.find(path):
-        if p.endswith(store.MANIFEST):
+        if p.endswith(store.MANIFEST) and f"/{store.VERSIONS}/" not in p:  # kept versions are not the run's
             rel = p[len(path.rstrip("/")) + 1: -len(store.MANIFEST) - 1]
             out[rel] = store.read_manifest(root.rstrip("/") + "/" + rel)
     return out
@@ -44,3 +44,18 @@ def kill_marked(marker: str) -> list[int]:
         except (OSError, PermissionError):
             pass
     return killed
+
+
+def alive_marked(marker: str) -> list[str]:
+    """Live (non-zombie) processes whose environment carries `marker`, as 'pid cmdline'."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (d / "environ").read_bytes() and (d / "stat").read_text().split(") ")[1][0] != "Z":
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                out.append(f"{d.name} {cmd[:120]}")
+        except (OSError, PermissionError, IndexError):
+            pass
+    return out

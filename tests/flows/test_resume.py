@@ -1,6 +1,8 @@
-"""Crash and resume: SIGKILL the flow process during generation, then during DPO training; each rerun
-resumes where the last stopped, and artifacts committed before a kill are never redone (same fingerprint,
-same created_at). The flow runs as `rlhf-flows run` in a subprocess with its own Prefect home."""
+"""Crash and resume: SIGKILL the flow process alone (not its group: what an OOM killer or a supervisor does)
+during generation, then during DPO training; nothing it started (Ray, the training job, Prefect's API server)
+outlives it by more than a bounded wait, each rerun resumes where the last stopped, and artifacts committed
+before a kill are never redone (same fingerprint, same created_at). The flow runs as `rlhf-flows run` in a
+subprocess with its own Prefect home."""
 from __future__ import annotations
 
 import os
@@ -15,7 +17,7 @@ import pytest
 import yaml
 
 from rlhf_core import demo_task, store
-from tests.flows.flowkit import demo_params, kill_marked, manifests
+from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifests
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +37,13 @@ def _kill_when(proc: subprocess.Popen, ready, marker: str, what: str, timeout: f
         assert proc.poll() is None, f"flow exited ({proc.returncode}) before {what}"
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)  # the flow process alone
     proc.wait()
-    kill_marked(marker)  # Ray and DeepSpeed processes it started live in other sessions
+    deadline = time.time() + 120
+    while (left := alive_marked(marker)) and time.time() < deadline:
+        time.sleep(1)
+    kill_marked(marker)  # after the assert's evidence is taken: never leave them to the next test
+    assert not left, f"alive 120 s after the flow process was killed ({what}):\n" + "\n".join(left)
 
 
 def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):

@@ -62,3 +62,13 @@ def _alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_silent_job_is_killed_and_named_after_the_stall_timeout(tmp_path):
+    pidfile = tmp_path / "pid"
+    code = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\nprint('step 1/9', flush=True)\ntime.sleep(60)"
+    t0 = time.time()
+    with pytest.raises(jobs.JobStalled, match=r"sft training for s3://b/x made no progress \(no output line\) for 2s"
+                                              r": killed \(stall_timeout_s\); last lines:\nstep 1/9"):
+        jobs.run_job([sys.executable, "-c", code], stall_timeout_s=2, what="sft training for s3://b/x")
+    assert time.time() - t0 < 50 and not _alive(int(pidfile.read_text()))

@@ -135,3 +135,105 @@ def test_objects_written_by_another_process_are_seen(s3_root):
     subprocess.run([sys.executable, "-c", code], check=True)
     assert [p.rsplit("/", 1)[1] for p in fs.glob(f"{path}/ckpt/*")] == ["a", "b"]
     assert store.filesystem(s3_root)[0].exists(f"{path}/ckpt/b")
+
+
+def test_changed_config_keeps_the_previous_version_and_lineage_still_resolves(tmp_path):
+    uri = str(tmp_path / "ds")
+    v1 = _dataset(uri, config={"n": 5}, n=5)
+    down = store.ArtifactWriter(str(tmp_path / "down"), "filter", {}, {"src": v1})
+    down.begin()
+    down.write_json("x.json", {})
+    down.commit()
+    v2 = _dataset(uri, config={"n": 7}, n=7)
+    assert store.read_table(uri).num_rows == 7  # the prefix holds the new version
+    kept = store.versions(uri)
+    assert [m.fingerprint for m in kept] == [v1.fingerprint]
+    assert store.read_table(kept[0].uri).num_rows == 5 and kept[0].uri == f"{uri}/_versions/{v1.fingerprint}"
+    rec = store.read_manifest(str(tmp_path / "down")).inputs[0]  # the downstream manifest still names what it used
+    assert store.read_version(rec["uri"], rec["fingerprint"]).created_at == v1.created_at
+    assert store.read_version(uri, v2.fingerprint).created_at == v2.created_at
+    _dataset(uri, config={"n": 9}, n=9)
+    assert len(store.versions(uri)) == 2
+    removed = store.prune_versions(uri, keep=2)  # the current one + the newest previous
+    assert removed == [f"{uri}/_versions/{v1.fingerprint}"]
+    assert [m.fingerprint for m in store.versions(uri)] == [v2.fingerprint] and store.read_table(uri).num_rows == 9
+
+
+def test_changed_model_config_on_s3_keeps_the_previous_model(s3_root, tiny):
+    uri = f"{s3_root}/policy"
+    a = store.commit_model_dir(tiny.policy_dir, uri, "tiny-model", {"v": 1})
+    store.commit_model_dir(tiny.reward_dir, uri, "tiny-model", {"v": 2})
+    old = store.read_version(uri, a.fingerprint)
+    fs, _ = store.filesystem(uri)
+    assert fs.cat_file(store.filesystem(f"{old.uri}/config.json")[1]) == (tiny.policy_dir / "config.json").read_bytes()
+    assert fs.cat_file(store.filesystem(f"{uri}/config.json")[1]) == (tiny.reward_dir / "config.json").read_bytes()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_output_uri_holding_foreign_files_is_refused_and_untouched(where, tmp_path, request):
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("s3_root")
+    fs, path = store.filesystem(root)
+    for name in ("notes.txt", "photos/a.jpg", "b.csv", "c", "d", "e", "f"):
+        fs.makedirs(fs._parent(f"{path}/mine/{name}"), exist_ok=True)
+        fs.pipe_file(f"{path}/mine/{name}", b"user data")
+    with pytest.raises(store.ForeignFilesError, match=r"mine holds files this project did not write: "
+                                                      r"b.csv, c, d, e, f and 2 more"):
+        _dataset(f"{root}/mine")
+    assert fs.cat_file(f"{path}/mine/notes.txt") == b"user data" and fs.exists(f"{path}/mine/photos/a.jpg")
+    assert not fs.exists(f"{path}/mine/_MANIFEST.json")
+    # Beside a committed artifact too: a file the user dropped in later is never deleted by a rewrite.
+    _dataset(f"{root}/ds", config={"n": 1})
+    fs.pipe_file(f"{path}/ds/README.md", b"mine")
+    with pytest.raises(store.ForeignFilesError, match="README.md"):
+        _dataset(f"{root}/ds", config={"n": 2})
+    assert store.read_manifest(f"{root}/ds").config == {"n": 1}
+
+
+def test_a_crashed_writers_files_are_its_own_on_rerun(tmp_path):
+    uri = str(tmp_path / "ds")
+    w = store.ArtifactWriter(uri, "prepare", {"n": 3})
+    w.begin()
+    w.write_table("part-0.parquet", data.to_table(demo_task.sft_rows(3), "sft"))
+    # crash before commit: the rerun must not call part-0.parquet foreign
+    assert _dataset(uri, config={"n": 3}, n=3).rows == 3
+    assert not (tmp_path / "ds" / store.JOURNAL).exists()
+
+
+def test_commit_is_atomic_for_a_concurrent_reader(tmp_path):
+    """Readers polling while manifests are rewritten never see a partial one (the landed code wrote in place)."""
+    import threading
+
+    uri = str(tmp_path / "ds")
+    w = store.ArtifactWriter(uri, "prepare", {"n": 1})
+    w.begin()
+    w.write_json("x.json", {})
+    big = {f"k{i}": "v" * 200 for i in range(2000)}  # a manifest of ~400 KB: many write() calls
+    stop, errors = threading.Event(), []
+
+    def read():
+        while not stop.is_set():
+            try:
+                store.read_manifest(uri)
+            except store.NotCommittedError:
+                pass
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(40):
+            w.commit(metrics={**big, "i": i})
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors[:1]
+
+
+def test_truncated_manifest_is_named_corrupt_not_unreachable(tmp_path):
+    _dataset(str(tmp_path / "ds"))
+    p = tmp_path / "ds" / store.MANIFEST
+    p.write_text(p.read_text()[:50])
+    with pytest.raises(store.ArtifactError, match=r"ds: _MANIFEST.json is corrupt") as e:
+        store.read_manifest(str(tmp_path / "ds"))
+    assert not isinstance(e.value, store.StoreUnreachableError)

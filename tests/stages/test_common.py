@@ -49,3 +49,31 @@ def test_stale_cache_record_for_a_rewritten_artifact_is_not_trusted(prefect_harn
     held = store.read_manifest(out)
     assert back["rows"] == held.rows == 3 and back["fingerprint"] == held.fingerprint == three["fingerprint"]
     assert held.created_at == back["created_at"] != three["created_at"]
+
+
+def test_cache_key_follows_the_stage_module_source_and_the_package_source(tmp_path, monkeypatch):
+    """The landed key hashed the generic task wrapper, the same for every stage: editing a stage's code
+    invalidated nothing."""
+    import importlib
+    import shutil
+    import sys
+    from types import SimpleNamespace
+
+    from stages import common
+
+    for name, body in (("stage_a", "return 1"), ("stage_b", "return 2")):
+        (tmp_path / f"{name}.py").write_text(f"def run(cfg):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = prepare.Config(kind="prompts", data="x.jsonl", output_uri=str(tmp_path / "o"))
+    keys = [common._cache_key(SimpleNamespace(task=common.stage_task("same", importlib.import_module(m).run)),
+                              {"cfg": cfg}) for m in ("stage_a", "stage_b")]
+    assert keys[0] != keys[1]
+    sys.modules.pop("stage_a"), sys.modules.pop("stage_b")
+
+    root = tmp_path / "copy"
+    for pkg in common.PACKAGES:
+        shutil.copytree(f"{common.Path(common.__file__).resolve().parents[1]}/{pkg}", root / pkg)
+    before = common.source_version(str(root))
+    with open(root / "rlhf_core" / "losses.py", "a") as f:
+        f.write("\n# an edit in a helper the stage calls\n")
+    assert common.source_version.__wrapped__(str(root)) != before

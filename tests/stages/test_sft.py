@@ -93,7 +93,8 @@ def test_sft_lora_packed_saves_adapter_and_merged_model(tiny, tmp_path):
 
 def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root):
     """Kill the training child (launcher + rank) after its first checkpoint; the rerun resumes from it and
-    ends at the same step count having seen every sample exactly once per epoch."""
+    ends at the same step count having seen every sample exactly once per epoch, with the same weights
+    (within float tolerance) as the same job run without interruption."""
     import psutil
 
     data_uri = sft_data(s3_root, 64)
@@ -129,6 +130,13 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root):
     for epoch in (log[:8], log[8:]):
         assert sorted(i for h in epoch for i in h["samples"]) == list(range(64))
     assert not fs.exists(f"{path}/checkpoints")
+    # the same job uninterrupted (another output_uri: same seed and data) ends with the same weights
+    straight = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0, "output_uri": f"{s3_root}/sft-straight"}))
+    assert straight.metrics["resumed_from_step"] == 0
+    resumed, uninterrupted = weights(store.fetch_model(out)), weights(store.fetch_model(straight.uri))
+    assert resumed.keys() == uninterrupted.keys()
+    for k in resumed:
+        torch.testing.assert_close(resumed[k], uninterrupted[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def _fp(cfg):
