@@ -249,5 +249,9 @@ def pair_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> 
         for k, v in ((fmt.chosen_key, chosen), (fmt.rejected_key, rejected)):
             if not isinstance(v, str):
                 raise DataError(f"{src} row {i}: key {k!r} must be a string, got {type(v).__name__}")
+            if not v.strip():
+                raise DataError(f"{src} row {i}: key {k!r} is empty")
+        if chosen == rejected:  # no preference to learn; DPO and RM training would refuse it later
+            raise DataError(f"{src} row {i}: {fmt.chosen_key!r} and {fmt.rejected_key!r} are identical ({chosen[:40]!r})")
         out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return out

@@ -4,7 +4,7 @@ A stage module defines
     class Config(StageConfig): ...           # pydantic; fields with descriptions and bounds
     def run(cfg: Config) -> Manifest: ...    # plain function: the algorithm; idempotent via the manifest
     task = stage_task("name", run)           # the Prefect task flows call
-so `rlhf-flows stage NAME --config F k=v` can load any of them the same way.
+so `rlhf-flows stage NAME --config FILE key=value` can load any of them the same way.
 """
 from __future__ import annotations
 
@@ -58,7 +58,10 @@ def parse_overrides(pairs: list[str]) -> dict:
         parts = key.split(".")
         for k in parts[:-1]:
             node = node.setdefault(k, {})
-        node[parts[-1]] = yaml.safe_load(val) if val else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(val) if val else ""
+        except yaml.YAMLError:  # not a YAML scalar (e.g. "a: b: c", "..."): the text itself
+            node[parts[-1]] = val
     return out
 
 

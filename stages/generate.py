@@ -7,7 +7,7 @@ against `prompt_max_len` (keep the last tokens and count, or reject), and sample
 on `num_engines` Ray actors (rlhf_core.generation). Left out: OpenRLHF's csft prompt suffix at generation
 time (use the csft filter's template on the next iteration's prompts instead).
 
-    rlhf-flows stage generate --config configs/tiny.yaml backend=vllm num_engines=2
+    rlhf-flows stage generate policy_uri=... prompts_uri=... output_uri=... backend=vllm num_engines=2
 """
 from __future__ import annotations
 

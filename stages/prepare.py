@@ -6,7 +6,7 @@ mixing probabilities (`--prompt_data a,b --prompt_data_probs 0.7,0.3`), formats 
 `apply_chat_template` / `input_template`, checks every row, and commits parquet. Every later stage then
 reads typed, validated rows; a bad row stops here, naming file, row and key, with nothing committed.
 
-    rlhf-flows stage prepare --config configs/demo.yaml  kind=prompts data=s3://b/prompts.jsonl output_uri=...
+    rlhf-flows stage prepare kind=prompts data=s3://b/prompts.jsonl output_uri=...
 """
 from __future__ import annotations
 
