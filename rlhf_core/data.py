@@ -232,6 +232,20 @@ def sft_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> l
     return out
 
 
+def sample_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
+    """Raw rows -> `samples` rows (prompt, response, sample_index, label): an existing dataset's responses
+    to score and filter like generated ones (OpenRLHF's csft example scores `--input_key chosen` of a
+    preference set). Prompt and response are read as for sft rows; sample_index counts per prompt."""
+    seen: dict[str, int] = {}
+    out = []
+    for (src, i, row), r in zip(raw, sft_rows(raw, fmt, tokenizer)):
+        label = row.get(fmt.label_key) if fmt.label_key else None
+        out.append({"prompt": r["input"], "response": r["output"], "sample_index": seen.get(r["input"], 0),
+                    "label": None if label is None else str(label)})
+        seen[r["input"]] = seen.get(r["input"], 0) + 1
+    return out
+
+
 def pair_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
     """Raw rows -> `pairs` rows (prompt, chosen, rejected). chosen/rejected may be message lists whose last
     message is the answer (OpenRLHF's reward-dataset format); the rest becomes the prompt."""

@@ -24,6 +24,7 @@ class Config(StageConfig):
     policy_uri: str = Field(description="Policy to evaluate (model artifact or local HF folder).")
     prompts_uri: str = Field(description="Committed `prompts` artifact of held-out prompts.")
     reward_model_uri: str | None = Field(None, description="Reward model scoring the samples.")
+    remote_rm_url: str | None = Field(None, description="Remote reward server scoring the samples (instead of reward_model_uri).")
     gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func(queries, prompts, labels).")
     prompt_template: str | None = Field(None, description="Applied to each prompt, e.g. '{prompt} <rm_score>: 1.00 ' "
                                         "(conditional SFT evaluates under its high-reward condition).")
@@ -44,8 +45,8 @@ def _mean(xs: list[float]) -> float | None:
 def run(cfg: Config) -> store.Manifest:
     from transformers import AutoTokenizer
 
-    if not cfg.reward_model_uri and not cfg.gold_reward_file:
-        raise ValueError("eval needs reward_model_uri or gold_reward_file (or both)")
+    if not (cfg.reward_model_uri or cfg.remote_rm_url or cfg.gold_reward_file):
+        raise ValueError("eval needs reward_model_uri (or remote_rm_url) or gold_reward_file (or both)")
     policy_dir, policy_m = model_input(cfg.policy_uri, cfg.storage_options)
     prompts_m = store.read_manifest(cfg.prompts_uri, stage="prepare", storage_options=cfg.storage_options)
     inputs = {"policy": policy_m, "prompts": prompts_m}
@@ -76,6 +77,11 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.reward_model_uri:
         rm_dir = str(model_input(cfg.reward_model_uri, cfg.storage_options)[0])
         rm = compute_rewards(RewardSpec(model=rm_dir, storage_options=cfg.storage_options), prompts, responses, labels)
+        for s, r in zip(samples, rm.rewards):
+            s["rm_reward"] = r
+        metrics["rm_reward"] = _mean(rm.rewards)
+    elif cfg.remote_rm_url:
+        rm = compute_rewards(RewardSpec(remote_url=cfg.remote_rm_url), prompts, responses, labels)
         for s, r in zip(samples, rm.rewards):
             s["rm_reward"] = r
         metrics["rm_reward"] = _mean(rm.rewards)

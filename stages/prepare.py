@@ -1,5 +1,13 @@
 """Stage `prepare`: OpenRLHF-format data sources -> one committed dataset artifact (prompts, sft or pairs).
 
+`kind=samples` turns an existing dataset's responses into a `samples` artifact that score, then the rs or
+csft filter, take as if generated (OpenRLHF's csft example scores the `chosen` column of a preference set):
+
+    rlhf-flows stage prepare kind=samples data=prefs.jsonl input_key=prompt output_key=chosen output_uri=...
+
+(for OpenRLHF's message-list format: `input_key=chosen apply_chat_template=true tokenizer_uri=...`; the last
+message is the response).
+
 Reads json / jsonl / csv / parquet files or `save_to_disk` folders on any fsspec URI, comma-separated with
 mixing probabilities (`--prompt_data a,b --prompt_data_probs 0.7,0.3`), formats rows with OpenRLHF's keys
 (`input_key`, `output_key`, `label_key`, `prompt_key`, `chosen_key`, `rejected_key`) and
@@ -19,7 +27,9 @@ from stages.common import StageConfig, stage_task
 
 
 class Config(StageConfig):
-    kind: Literal["prompts", "sft", "pairs"] = Field(description="Which artifact to produce.")
+    kind: Literal["prompts", "sft", "pairs", "samples"] = Field(
+        description="Which artifact to produce; `samples`: an existing dataset's responses (input_key / output_key, "
+                    "or a message list ending with the answer) to score and filter like generated ones.")
     data: str = Field(description="Source URI(s), comma-separated (OpenRLHF --prompt_data / --dataset).")
     data_probs: str | None = Field(None, description="Mixing probabilities, comma-separated, one per source.")
     max_samples: int | None = Field(None, ge=1, description="Keep at most this many rows.")
@@ -55,7 +65,8 @@ def run(cfg: Config) -> store.Manifest:
         tokenizer = AutoTokenizer.from_pretrained(str(store.fetch_model(cfg.tokenizer_uri, cfg.storage_options)))
     raw = data.load_mixture(sources, cfg.data_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
     fmt = data.Format(**cfg.model_dump(include=set(data.Format.__dataclass_fields__)))
-    rows = {"prompts": data.prompt_rows, "sft": data.sft_rows, "pairs": data.pair_rows}[cfg.kind](raw, fmt, tokenizer)
+    rows = {"prompts": data.prompt_rows, "sft": data.sft_rows, "pairs": data.pair_rows,
+            "samples": data.sample_rows}[cfg.kind](raw, fmt, tokenizer)
     table = data.to_table(rows, cfg.kind)
     data.validate_table(table, cfg.kind, cfg.data)
 

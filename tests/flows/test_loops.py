@@ -101,12 +101,25 @@ def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
 
 
 def test_conditional_sft_trains_on_reward_tagged_rows_on_s3(demo_run, s3_root):
-    from flows.conditional_sft import Params, conditional_sft
+    """Scored through `rlhf-flows serve-rm` (reward_url): the flow's remote reward path."""
+    import threading
 
+    from flows.conditional_sft import Params, conditional_sft
+    from rlhf_core.serve_rm import make_server
+
+    server = make_server(demo_run.reward, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
     sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 1, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 64}
-    report = conditional_sft(Params(**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
-                                                   target_reward=1.5)))
+    try:
+        report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
+                                                          target_reward=1.5), "reward_uri": None, "reward_url": url}))
+    finally:
+        server.shutdown()
+        server.server_close()
     assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
+    scored = store.read_manifest(f"{s3_root}/csft/iter-1/score")
+    assert scored.config["remote_rm_url"] == url and all(r["rm_reward"] is not None for r in report["iterations"])
     rows = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
     assert all(" <rm_score>: " in r["input"] for r in rows)
     evald = store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist()
