@@ -58,9 +58,9 @@ def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
 def format_report(rep: dict) -> str:
     """The per-iteration table the loop flows also publish as a Prefect table artifact."""
     rows = rep.get("iterations", [])
-    cols = [c for c in ("iteration", "samples", "kept", "ties_dropped", "train_rm_reward", "rm_reward", "gold_reward",
-                        "dpo_loss", "dpo_reward_margin", "sft_loss") if any(c in r for r in rows)]
-    cols += sorted({c for r in rows for c in r if c.endswith("_s")})
+    from flows.runtime import columns
+
+    cols = [c for c in columns(rows) if not c.endswith(("_steps", "_accuracy"))]
     fmt = lambda v: "" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     width = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
     lines = [f"{rep.get('flow')} run {rep.get('run')}: {rep.get('stop_reason')} ({rep.get('wall_s')} s)",
@@ -137,6 +137,19 @@ def show(uri: str) -> str:
     return "\n".join(out)
 
 
+def show_progress(every_s: float, verbose: bool) -> None:
+    """`stage` on a terminal: training step/total, loss, tokens/s and ETA, generate/score rows/total, and
+    the job's notable lines. (`run` shows them through Prefect's console log.)"""
+    import logging
+
+    from rlhf_core import progress
+
+    progress.install()
+    display = progress.Display(every_s=every_s, verbose=verbose)
+    progress.listeners.append(display)
+    logging.getLogger("rlhf_flows").addHandler(display.handler())
+
+
 def expected_errors() -> tuple[type[BaseException], ...]:
     """What a user can cause and fix (config, data, artifact, reward, generation, job): one line, exit 2.
     Anything else is a bug and keeps its traceback."""
@@ -167,6 +180,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("name")
         s.add_argument("--config", help="YAML config file")
         s.add_argument("overrides", nargs="*", help="key=value (dotted keys for nested fields)")
+        s.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                       help="without a terminal: one progress line every SECONDS (a terminal gets a bar)")
     sh = sub.add_parser("show", parents=[debug], help="print an artifact's manifest and lineage, or a run's iterations")
     sh.add_argument("uri")
     rm = sub.add_parser("serve-rm", parents=[debug], help="serve a reward model over HTTP (the score stage's remote_rm_url)")
@@ -205,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "run":
             return cmd_run(a.name, a.config, a.overrides)
         if a.cmd == "stage":
+            show_progress(a.progress_every, getattr(a, "debug", False))
             return cmd_stage(a.name, a.config, a.overrides)
         if a.cmd == "serve-rm":
             from rlhf_core.serve_rm import serve

@@ -176,7 +176,7 @@ def prepare_inputs(p: LoopParams, run: dict):
     report.links.update({"prompts": prompts["uri"], **({"reward_model": reward.get("reward_model_uri")}
                                                        if reward.get("reward_model_uri") else {})})
     report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold, reward_model_uri=reward.get("reward_model_uri"),
-                           remote_rm_url=reward.get("remote_rm_url"))
+                           remote_rm_url=reward.get("remote_rm_url"), reference_uri=policy)  # KL to the initial policy
     evaluate_and_report(p, report, 0, policy, reward, [])
     return policy, reward, prompts["uri"], report
 
@@ -232,7 +232,8 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         ev = _stage("eval")
         em = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),
                                         storage_options=p.storage_options, **report.eval_cfg))
-        row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
+        row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward", "kl")})
+        row["response_length"] = em["metrics"].get("response_tokens_mean")
         by_stage["eval"] = em
     row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
     report.add(row, {f"iter-{k}/{s}": m["uri"] for s, m in by_stage.items()} | {f"iter-{k}/policy": policy})

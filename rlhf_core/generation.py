@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_core import progress
+
 log = logging.getLogger("rlhf_flows")
 
 BACKENDS = ("hf", "vllm")
@@ -214,9 +216,17 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
                 env: dict | None = None) -> list:
     """Run `engine_cls(*init_args).method(shard, **call_kwargs)` over contiguous shards of `items`, in this
     process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order."""
+    # Each engine's shard goes in up to 8 chunks of >= 256 items, queued on its actor: a progress line per
+    # finished chunk. Small jobs (the demo, eval sets) stay one call per engine, as before.
+    bounds = shard(len(items), max(1, num_engines))
+    chunks = [(o, s + a, s + b) for o, (s, e) in enumerate(bounds) for a, b in shard(e - s, min(8, max(1, (e - s) // 256)))]
+    offset = lambda s: {"first_index": s} if pass_offset else {}  # noqa: E731
     if num_engines <= 0:
-        res = getattr(engine_cls(*init_args), method)(items, **call_kwargs)
-        return list(res)
+        engine, out = engine_cls(*init_args), []
+        for _, s, e in chunks:
+            out += list(getattr(engine, method)(items[s:e], **call_kwargs, **offset(s)))
+            progress.rows(method, e, len(items))
+        return out
     import ray
 
     started = _ray_up(ray_address)
@@ -226,12 +236,16 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
         if env:
             opts["runtime_env"] = {"env_vars": env}
         remote_cls = ray.remote(engine_cls).options(**opts)
-        bounds = shard(len(items), num_engines)
         actors = [remote_cls.remote(*init_args) for _ in bounds]
-        futures = [getattr(a, method).remote(items[s:e], **call_kwargs, **({"first_index": s} if pass_offset else {}))
-                   for a, (s, e) in zip(actors, bounds)]
+        futures = [getattr(actors[o], method).remote(items[s:e], **call_kwargs, **offset(s)) for o, s, e in chunks]
+        size = {f: e - s for f, (_, s, e) in zip(futures, chunks)}
+        pending, done = list(futures), 0
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            done += sum(size[r] for r in ready)
+            progress.rows(method, done, len(items))
         out = []
-        for part in ray.get(futures):  # ray.get keeps the shard order -> prompt order
+        for part in ray.get(futures):  # in chunk order -> item order
             out.extend(part)
         return out
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -18,9 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlhf_core import store
-
-# Forward rlhf_core's `logging` output (job lines, progress) into the Prefect run log.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_flows")
 
 
 class ConfigError(ValueError):
@@ -125,13 +122,43 @@ def stage_task(name: str, run: Callable, **options):
     def body(cfg):
         import dataclasses
 
-        return dataclasses.asdict(run(cfg))
+        with run_log():
+            return dataclasses.asdict(run(cfg))
 
     body.__name__ = f"{name}_task"
     body.__qualname__ = body.__name__
     body.__doc__ = f"Prefect task running stages.{name}.run(cfg); returns the committed manifest."
     return task(name=name, cache_key_fn=_cache_key, persist_result=True, result_serializer="json",
                 task_run_name=f"{name}", **options)(body)
+
+
+@contextmanager
+def run_log():
+    """Inside a Prefect task: every `rlhf_flows` line (the training job's step / loss / tokens/s lines,
+    DeepSpeed's, progress rows) goes to the task's run logger, so the flow run's log in the UI and API holds
+    them. A handler added here, not PREFECT_LOGGING_EXTRA_LOGGERS: Prefect reads that setting when it
+    configures logging, which happens before a stage module is imported."""
+    import logging
+
+    from prefect.logging import get_run_logger
+
+    from rlhf_core import progress
+
+    run_logger = get_run_logger()
+
+    class ToRunLog(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            run_logger.log(record.levelno, "%s", record.getMessage())
+
+    progress.install()
+    handler, log = ToRunLog(), logging.getLogger("rlhf_flows")
+    log.addHandler(handler)
+    propagate, log.propagate = log.propagate, False  # Prefect's console shows the run log: not twice
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 class StageFailed(RuntimeError):

@@ -54,6 +54,20 @@ def test_iterative_dpo_publishes_prefect_artifacts(demo_run):
     assert [r["iteration"] for r in rows] == [0, 1, 2] and all("gold_reward" in r for r in rows)
     assert f"{demo_run.run}/iter-2/dpo" in max((a for a in report if str(a.flow_run_id) == demo_run.report["flow_run_id"]),
                                                key=lambda a: a.created).data
+    # What a user watches first; timings last. The plot is inline (the UI cannot open a file:// or s3:// URL).
+    assert list(rows[0])[:5] == ["iteration", "gold_reward", "rm_reward", "kl", "response_length"]
+    assert all(c.endswith("_s") for c in list(rows[0])[-3:]) and rows[0]["kl"] == 0.0 and rows[2]["kl"] > 0
+    with get_client(sync_client=True) as client:
+        plot = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-plot"])))
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[demo_run.report["flow_run_id"]])))
+    md = max(plot, key=lambda a: a.created).data
+    assert md.startswith("![reward, KL and length per iteration](data:image/png;base64,iVBORw0KGgo")
+    import re
+
+    steps = [e.message for e in logs if re.match(r"step \d+/\d+ loss=\S+ .*tokens/s=\d+ eta=", e.message)]
+    assert len(steps) >= 4, [e.message for e in logs][:40]  # sft, train_rm and both dpo jobs log their steps
 
 
 def test_rerun_resumes_without_redoing_anything(demo_run):
