@@ -91,6 +91,8 @@ class LoopParams(BaseModel):
     eval_prompt_data: str | None = Field(None, description="Held-out prompts for evaluation after each iteration.")
     gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func for evaluation (the demo's).")
     prepare: dict = Field(default_factory=dict, description="Keys for raw sources: input_key, apply_chat_template, ...")
+    train_split: str = Field("train", description="Split of prompt_data read where it has splits (OpenRLHF --train_split).")
+    eval_split: str = Field("test", description="Split of eval_prompt_data read where it has splits (OpenRLHF --eval_split).")
     sft: dict = Field(default_factory=dict, description="SFT warm-up settings.")
     train_rm: dict = Field(default_factory=dict, description="Reward-model training settings.")
     generate: dict = Field(default_factory=dict, description="Generation settings (backend, best_of_n, ...).")
@@ -152,12 +154,12 @@ def prepare_inputs(p: LoopParams, run: dict):
     report = Report(run["flow"], p.root, p.run_name, so, stages=planned)
 
     prepare = _stage("prepare")
-    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=prompt_data,
+    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.train_split}, data=prompt_data,
                                               tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
     _check_slices(p, prompts["rows"])
     eval_prompts = None
     if eval_data:
-        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=eval_data,
+        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.eval_split}, data=eval_data,
                                                        tokenizer_uri=_tok(p, policy), output_uri=at("eval_prompts"),
                                                        storage_options=so))["uri"]
     if sft_data:

@@ -101,7 +101,7 @@ def run(cfg: Config) -> store.Manifest:
     # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to fetch or read
     uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
     inputs = {"policy": store.source_manifest(cfg.policy_uri, cfg.storage_options),
-              **{f"prompts{k or ''}": store.source_manifest(u, cfg.storage_options) for k, u in enumerate(uris)}}
+              **{f"prompts{k or ''}": store.source_manifest(data.source_split(u)[0], cfg.storage_options) for k, u in enumerate(uris)}}
     w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done

@@ -33,6 +33,8 @@ class Config(StageConfig):
     data: str = Field(description="Source URI(s), comma-separated (OpenRLHF --prompt_data / --dataset).")
     data_probs: str | None = Field(None, description="Mixing probabilities, comma-separated, one per source.")
     max_samples: int | None = Field(None, ge=1, description="Keep at most this many rows.")
+    split: str = Field("train", description="Split of sources that have splits (OpenRLHF --train_split / --eval_split); "
+                       "per source: 'uri@split'.")
     seed: int = Field(42, description="Seed of the mixing shuffle.")
     input_key: str = Field("input", description="Prompt / input column (a string or a message list).")
     output_key: str | None = Field(None, description="SFT answer column; None: last assistant message.")
@@ -43,6 +45,8 @@ class Config(StageConfig):
     apply_chat_template: bool = Field(False, description="Format with the tokenizer's chat template.")
     input_template: str | None = Field(None, description='e.g. "User: {}\\nAssistant: "')
     tokenizer_uri: str | None = Field(None, description="Model artifact whose tokenizer formats chat templates.")
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template used instead of the tokenizer's "
+                                                "(OpenRLHF --tokenizer_chat_template).")
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -51,7 +55,7 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.apply_chat_template and not cfg.tokenizer_uri:
         raise ValueError("apply_chat_template needs tokenizer_uri (a model artifact with a chat template)")
     sources = [s.strip() for s in cfg.data.split(",") if s.strip()]
-    inputs = {f"source{i}": store.source_manifest(s, cfg.storage_options) for i, s in enumerate(sources)}
+    inputs = {f"source{i}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(sources)}
     if cfg.tokenizer_uri:
         inputs["tokenizer"] = store.read_manifest(cfg.tokenizer_uri, storage_options=cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "prepare", cfg.semantic(), inputs, cfg.storage_options)
@@ -63,7 +67,9 @@ def run(cfg: Config) -> store.Manifest:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(store.fetch_model(cfg.tokenizer_uri, cfg.storage_options)))
-    raw = data.load_mixture(sources, cfg.data_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
+        if cfg.tokenizer_chat_template:
+            tokenizer.chat_template = cfg.tokenizer_chat_template
+    raw = data.load_mixture(sources, cfg.data_probs, cfg.max_samples, cfg.seed, cfg.storage_options, cfg.split)
     fmt = data.Format(**cfg.model_dump(include=set(data.Format.__dataclass_fields__)))
     rows = {"prompts": data.prompt_rows, "sft": data.sft_rows, "pairs": data.pair_rows,
             "samples": data.sample_rows}[cfg.kind](raw, fmt, tokenizer)

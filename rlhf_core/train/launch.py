@@ -90,7 +90,7 @@ def check_hardware(cfg) -> None:
 
 def input_manifests(cfg) -> dict[str, store.Manifest]:
     srcs = [s.strip() for s in cfg.dataset_uri.split(",") if s.strip()]
-    return {f"dataset{i or ''}": store.source_manifest(s, cfg.storage_options) for i, s in enumerate(srcs)}
+    return {f"dataset{i or ''}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(srcs)}
 
 
 def load_rows(cfg, kind: str, fmt: data.Format, tokenizer) -> list[dict]:

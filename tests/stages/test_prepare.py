@@ -76,3 +76,12 @@ def test_samples_from_an_existing_dataset_score_and_filter_like_generated_ones(t
     scored = score.run(score.Config(samples_uri=m.uri, reward_func_path=str(rf), output_uri=str(tmp_path / "scored")))
     best = filter_stage.run(filter_stage.Config(scored_uri=scored.uri, method="rs", output_uri=str(tmp_path / "best")))
     assert sorted(r["output"] for r in store.read_table(best.uri).to_pylist()) == [" bad", " great good"]
+
+
+def test_tokenizer_chat_template_replaces_the_tokenizer_s(tiny, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"m": [{"role": "user", "content": "Review of the tea:"}]}) + "\n")
+    m = prepare.run(prepare.Config(kind="prompts", data=str(src), input_key="m", apply_chat_template=True,
+                                   tokenizer_uri=tiny.policy_uri, output_uri=str(tmp_path / "out"),
+                                   tokenizer_chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>>"))
+    assert store.read_table(m.uri).to_pylist()[0]["prompt"] == "<user>Review of the tea:>>"
