@@ -78,6 +78,9 @@ class LoopParams(BaseModel):
     stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
     max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
     lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
+    use_tensorboard: bool = Field(False, description="TensorBoard event files of the per-iteration report in {run}/tensorboard/.")
+    use_wandb: bool = Field(False, description="A W&B run of the per-iteration report (online with WANDB_API_KEY, else offline in {run}/wandb/).")
+    wandb_project: str = Field("rlhf-flows", description="W&B project.")
 
     pretrain_uri: str | None = Field(None, description="Initial policy (model artifact). demo=true: the tiny policy.")
     reward_uri: str | None = Field(None, description="Reward model artifact; if unset, one is trained on preference_data.")
@@ -151,7 +154,8 @@ def prepare_inputs(p: LoopParams, run: dict):
     per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5}[run["flow"]]  # stage calls, eval included
     planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file or p.reward_url))
                + p.iterations * per_iteration)
-    report = Report(run["flow"], p.root, p.run_name, so, stages=planned)
+    report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
+                    tracking={"tensorboard": p.use_tensorboard, "wandb": p.use_wandb, "project": p.wandb_project})
 
     prepare = _stage("prepare")
     prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.train_split}, data=prompt_data,

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from pathlib import Path
 
 from rlhf_core import store
 from stages.common import call as run_stage
@@ -105,8 +106,10 @@ def _pid_alive(pid) -> bool:
 class Report:
     """Per-iteration numbers: a Prefect table + markdown artifact, a PNG plot and report.json in the run."""
 
-    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None, stages: int = 0):
+    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None, stages: int = 0,
+                 tracking: dict | None = None):
         self.flow, self.run_uri, self.storage_options = flow, store.join(root, run_name), storage_options
+        self.tracking = tracking or {}
         _progress.clear()
         if stages:  # a progress bar in the UI: stage calls done / planned
             from prefect.artifacts import create_progress_artifact
@@ -135,7 +138,27 @@ class Report:
             from prefect.artifacts import update_progress_artifact
 
             update_progress_artifact(_progress["id"], progress=100.0)
-        return self.publish()
+        rep = self.publish()
+        if self.tracking.get("wandb"):  # one W&B run per flow run, all iterations
+            self._track(wandb=True)
+        return rep
+
+    def _track(self, wandb: bool = False) -> None:
+        """The iterations as TensorBoard events / a W&B run, rewritten into {run}/tensorboard or {run}/wandb."""
+        import shutil
+        import tempfile
+
+        from rlhf_core import tracking
+
+        fs, path = store.filesystem(self.run_uri, self.storage_options)
+        with tempfile.TemporaryDirectory() as tmp:
+            for sub in tracking.write(tmp, self.rows, "iteration", tensorboard=not wandb, wandb=wandb, prefix=self.flow,
+                                      project=self.tracking.get("project", "rlhf-flows"),
+                                      run_name=self.run_uri.rsplit("/", 1)[-1]):
+                if fs.exists(store.join(path, sub)):
+                    fs.rm(store.join(path, sub), recursive=True)
+                fs.put(str(Path(tmp) / sub), store.join(path, sub), recursive=True)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def publish(self) -> dict:
         from prefect.context import FlowRunContext
@@ -148,6 +171,8 @@ class Report:
         with fs.open(store.join(path, "report.json"), "w") as f:
             f.write(json.dumps(rep, indent=2, default=str))
         self._plot(fs, path)
+        if self.tracking.get("tensorboard"):
+            self._track()
         self._prefect_artifacts()
         return rep
 

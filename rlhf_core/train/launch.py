@@ -64,6 +64,10 @@ class TrainFields(BaseModel):
     resume: bool = Field(True, description="Continue from the latest checkpoint of the same job; false deletes checkpoints.")
     log_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
     debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a job).")
+    use_tensorboard: bool = Field(False, description="TensorBoard event files of every step in the artifact's tensorboard/.")
+    use_wandb: bool = Field(False, description="A W&B run of every step (online with WANDB_API_KEY, else offline in wandb/).")
+    wandb_project: str = Field("rlhf-flows", description="W&B project.")
+    wandb_run_name: str | None = Field(None, description="W&B run name (default: the artifact URI's last parts).")
 
     @model_validator(mode="after")
     def _batches_divide(self):
@@ -76,7 +80,8 @@ class TrainFields(BaseModel):
         return self
 
 
-TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "save_steps", "resume", "log_steps", "debug_step_sleep"}
+TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "save_steps", "resume", "log_steps", "debug_step_sleep",
+                 "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name"}
 SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "dataset_probs", "apply_chat_template", "input_template",
                                              "max_samples", "max_len", "overlong"}
 
@@ -143,7 +148,16 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
         raise TrainingIncomplete(f"training for {w.uri} stopped at step {result['steps_done']} of "
                                  f"{result['planned_steps']}: not committed")
     w.upload_dir(work / "model")
-    w.write_json("training_log.json", result.pop("history"))
+    history = result.pop("history")
+    if cfg.use_tensorboard or cfg.use_wandb:
+        from rlhf_core import tracking
+
+        for sub in tracking.write(work / "tracking", [{k: v for k, v in h.items() if k != "samples"} for h in history],
+                                  "step", tensorboard=cfg.use_tensorboard, wandb=cfg.use_wandb, prefix=method,
+                                  project=cfg.wandb_project, run_name=cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]),
+                                  config=cfg.semantic()):
+            w.upload_dir(work / "tracking" / sub, sub)
+    w.write_json("training_log.json", history)
     m = w.commit(metrics={**metrics, **result})
     checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     shutil.rmtree(work, ignore_errors=True)

@@ -4,6 +4,7 @@ from the API, and the progress artifact moving inside a stage)."""
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
@@ -100,8 +101,48 @@ def test_stage_on_the_cli_shows_training_steps_with_loss_tokens_per_s_and_eta(ti
                                          output_uri=str(tmp_path / "ref")))
     assert cli.main(["stage", "dpo", f"policy_uri={tiny.policy_uri}", f"dataset_uri={ref.uri}", "max_len=48",
                      "train_batch_size=4", "micro_train_batch_size=4", "log_steps=1", "launcher=python",
-                     f"output_uri={tmp_path / 'dpo'}", "--progress-every", "0"]) == 0
+                     "use_tensorboard=true", "use_wandb=true", f"output_uri={tmp_path / 'dpo'}", "--progress-every", "0"]) == 0
     err = capsys.readouterr().err
     steps = re.findall(r"^train (\d)/4 steps loss=\S+ .*tokens/s=\d+ eta=\d+s$", err, re.M)
     assert steps == ["1", "2", "3", "4"], err
     assert "done: 4/4 steps" in err
+    # tracking: every step's metrics as TensorBoard events and an offline W&B run, inside the artifact
+    history = json.loads((tmp_path / "dpo" / "training_log.json").read_text())
+    events = tb_scalars(tmp_path / "dpo" / "tensorboard")
+    assert [(s, round(v, 5)) for s, v in events["dpo/loss"]] == [(h["step"], round(h["loss"], 5)) for h in history]
+    assert list((tmp_path / "dpo" / "wandb").rglob("*.wandb")), "no offline W&B run file"
+    manifest = store.read_manifest(str(tmp_path / "dpo"))
+    assert any(f["path"].startswith("tensorboard/") for f in manifest.files)
+
+
+def tb_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of TensorBoard event files (TFRecord framing: length, crc, Event proto, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list] = {}
+    for f in sorted(folder.rglob("events.out.tfevents.*")):
+        buf = f.read_bytes()
+        i = 0
+        while i < len(buf):
+            (n,) = struct.unpack("<Q", buf[i:i + 8])
+            ev = event_pb2.Event.FromString(buf[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out
+
+
+def test_flow_report_tracking_writes_iterations_to_tensorboard_and_wandb(tmp_path):
+    from flows.runtime import Report
+
+    (tmp_path / "run").mkdir()  # the flow's run lock makes it
+    rep = Report("iterative-dpo", str(tmp_path), "run", tracking={"tensorboard": True, "wandb": True})
+    rep.add({"iteration": 0, "gold_reward": -0.1, "kl": 0.0})
+    rep.add({"iteration": 1, "gold_reward": 0.2, "kl": 0.05, "dpo_s": 3.0})
+    rep.finish()
+    ev = tb_scalars(tmp_path / "run" / "tensorboard")
+    assert ev["iterative-dpo/gold_reward"] == [(0, pytest.approx(-0.1)), (1, pytest.approx(0.2))]
+    assert ev["iterative-dpo/kl"] == [(0, 0.0), (1, pytest.approx(0.05))]
+    assert list((tmp_path / "run" / "wandb").rglob("*.wandb"))
