@@ -10,7 +10,7 @@ torch==2.13.0+cpu transformers==5.19.0 datasets==5.2.0 accelerate==1.15.0 trl==1
 venv with `--trl-python .venv/bin/python` after `pip install -e ".[bench]"`.
 Each peer at its best: TRL 1.16's DPOConfig defaults to bf16=True, which on CPUs without bf16 instructions
 runs autocast matmuls ~6x slower; it is set False here, and a dtype check refuses to report a ratio unless
-both sides trained in float32 (TRL: a forward hook sees float32 logits with CPU autocast off; ours: the
+both sides trained in float32 (TRL: a forward hook on the decoder sees float32 hidden states with CPU autocast off; ours: the
 job's config has bf16 off and the trained weights are float32). TRL's best configuration is
 precompute_ref_log_probs=True with gradient checkpointing off (its precompute counted); its defaults are
 reported too.
@@ -47,10 +47,10 @@ def trl_peer(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
     seen = set()
 
-    def hook(_module, _args, out):  # what the training forward really computed in
-        seen.add((str(out.logits.dtype), torch.is_autocast_enabled("cpu")))
+    def hook(_module, _args, out):  # what the training forward really computed in (TRL fuses the LM head)
+        seen.add((str(out[0].dtype), torch.is_autocast_enabled("cpu")))
 
-    model.register_forward_hook(hook)
+    model.get_decoder().register_forward_hook(hook)
     args = DPOConfig(output_dir=spec["out"], per_device_train_batch_size=spec["batch"], max_length=spec["max_len"],
                      num_train_epochs=1, learning_rate=5e-4, beta=0.1, report_to=[], use_cpu=True, save_strategy="no",
                      logging_steps=1000, dataloader_num_workers=0, bf16=False, fp16=False, **spec["extra"])
