@@ -45,11 +45,36 @@ STAGES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "stage
                 if p.stem not in ("__init__", "common"))
 
 
-def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
+def console_without_tracebacks() -> None:
+    """Prefect's console log prints a failed task's traceback; the CLI prints the failure as one line
+    instead (`--debug` keeps them). Only the console's formatter changes: the run log in the API keeps them."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+        for h in getattr(logger, "handlers", []):
+            if isinstance(h, PrefectConsoleHandler) and h.formatter and not getattr(h.formatter, "_no_tb", False):
+                base = type(h.formatter)
+
+                def format(self, record, base=base):  # the record is shared with the API handler: restore it
+                    saved = record.exc_info, record.exc_text, record.stack_info
+                    record.exc_info = record.exc_text = record.stack_info = None
+                    try:
+                        return base.format(self, record)
+                    finally:
+                        record.exc_info, record.exc_text, record.stack_info = saved
+
+                h.formatter.__class__ = type("NoTraceback", (base,), {"format": format, "_no_tb": True})
+
+
+def cmd_run(flow: str, config: str | None, overrides: list[str], debug: bool = False) -> int:
     from stages.common import load_config
 
     mod = _flow_module(flow)
     params = load_config(mod.Params, config, overrides)
+    if not debug:
+        console_without_tracebacks()
     report = mod.FLOW(params)
     print(format_report(report))
     return 0
@@ -216,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     try:
         if a.cmd == "demo":
-            return cmd_run("iterative-dpo", str(DEMO_CONFIG), [f"root={a.root}", f"run_name={a.run_name}", *a.overrides])
+            return cmd_run("iterative-dpo", str(DEMO_CONFIG), [f"root={a.root}", f"run_name={a.run_name}", *a.overrides],
+                           getattr(a, "debug", False))
         if a.cmd == "run":
-            return cmd_run(a.name, a.config, a.overrides)
+            return cmd_run(a.name, a.config, a.overrides, getattr(a, "debug", False))
         if a.cmd == "stage":
             show_progress(a.progress_every, getattr(a, "debug", False))
             return cmd_stage(a.name, a.config, a.overrides)

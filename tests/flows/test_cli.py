@@ -167,3 +167,15 @@ def test_cheap_documented_commands_run_end_to_end(demo_run, capsys):
         assert ("committed at" in out) if argv[0] == "stage" else ("lineage:" in out or "artifacts:" in out), where
         ran += 1
     assert ran >= 4
+
+
+def test_a_failed_stage_inside_a_flow_is_one_line_naming_stage_and_uri(prefect_harness, tiny, tmp_path, capsys):
+    from rlhf_core import demo_task
+
+    argv = ["run", "raft", f"root={tmp_path}", f"pretrain_uri={tiny.policy_uri}", f"reward_func_file={demo_task.__file__}",
+            f"prompt_data={tmp_path / 'nope.jsonl'}", "iterations=1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err  # Prefect's console log lines, then ours; no traceback anywhere
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"rlhf-flows: error: stage 'prepare' failed writing {tmp_path}/demo/prompts: "
+                                            f"FileNotFoundError: input {tmp_path / 'nope.jsonl'} does not exist")
