@@ -172,7 +172,9 @@ def show_progress(every_s: float, verbose: bool) -> None:
     progress.install()
     display = progress.Display(every_s=every_s, verbose=verbose)
     progress.listeners.append(display)
-    logging.getLogger("rlhf_flows").addHandler(display.handler())
+    log = logging.getLogger("rlhf_flows")
+    log.addHandler(display.handler())
+    log.propagate = False  # Prefect's root console handler would print every raw line again
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:

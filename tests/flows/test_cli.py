@@ -179,3 +179,12 @@ def test_a_failed_stage_inside_a_flow_is_one_line_naming_stage_and_uri(prefect_h
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (f"rlhf-flows: error: stage 'prepare' failed writing {tmp_path}/demo/prompts: "
                                             f"FileNotFoundError: input {tmp_path / 'nope.jsonl'} does not exist")
+
+
+def test_printed_report_puts_rewards_kl_and_length_first_and_timings_last():
+    rows = [{"iteration": 0, "gold_reward": 0.0, "rm_reward": 0.2, "kl": 0.0, "response_length": 9.5, "eval_s": 1.0},
+            {"iteration": 1, "samples": 8, "dpo_loss": 0.6, "gold_reward": 0.1, "rm_reward": 0.4, "kl": 0.02,
+             "response_length": 10.0, "generate_s": 2.0, "eval_s": 1.1, "dpo_steps": 4}]
+    text = cli.format_report({"flow": "iterative-dpo", "run": "r", "stop_reason": "done", "wall_s": 1, "iterations": rows})
+    assert text.splitlines()[1].split() == ["iteration", "gold_reward", "rm_reward", "kl", "response_length", "samples",
+                                            "dpo_loss", "eval_s", "generate_s"]

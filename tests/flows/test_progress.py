@@ -105,7 +105,7 @@ def test_stage_on_the_cli_shows_training_steps_with_loss_tokens_per_s_and_eta(ti
     err = capsys.readouterr().err
     steps = re.findall(r"^train (\d)/4 steps loss=\S+ .*tokens/s=\d+ eta=\d+s$", err, re.M)
     assert steps == ["1", "2", "3", "4"], err
-    assert "done: 4/4 steps" in err
+    assert "done: 4/4 steps" in err and not re.search(r"^step \d/4", err, re.M)  # raw job lines not repeated
     # tracking: every step's metrics as TensorBoard events and an offline W&B run, inside the artifact
     history = json.loads((tmp_path / "dpo" / "training_log.json").read_text())
     events = tb_scalars(tmp_path / "dpo" / "tensorboard")
