@@ -215,7 +215,7 @@ class Report:
             f.write(self.png)
 
     def _prefect_artifacts(self) -> None:
-        from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+        from prefect.artifacts import create_markdown_artifact, create_table_artifact
         from prefect.context import FlowRunContext
 
         if FlowRunContext.get() is None:

@@ -3,7 +3,6 @@ docstrings show parses and validates (docs are tests), `--config` goes before or
 every expected failure is one `rlhf-flows: error:` line with exit 2 (`--debug` re-raises)."""
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import re

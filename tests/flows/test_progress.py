@@ -53,7 +53,7 @@ def _scored_input(root, n):
 def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_lines(prefect_harness, tiny, tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId, LogFilter, LogFilterFlowRunId
     from prefect.logging.handlers import APILogHandler
 
     from flows import runtime
