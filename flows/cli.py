@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_core import store
@@ -162,7 +163,8 @@ def show(uri: str) -> str:
     return "\n".join(out)
 
 
-def show_progress(every_s: float, verbose: bool) -> None:
+@contextmanager
+def show_progress(every_s: float, verbose: bool):
     """`stage` on a terminal: training step/total, loss, tokens/s and ETA, generate/score rows/total, and
     the job's notable lines. (`run` shows them through Prefect's console log.)"""
     import logging
@@ -172,9 +174,15 @@ def show_progress(every_s: float, verbose: bool) -> None:
     progress.install()
     display = progress.Display(every_s=every_s, verbose=verbose)
     progress.listeners.append(display)
-    log = logging.getLogger("rlhf_flows")
-    log.addHandler(display.handler())
-    log.propagate = False  # Prefect's root console handler would print every raw line again
+    log, handler = logging.getLogger("rlhf_flows"), display.handler()
+    log.addHandler(handler)
+    propagate, log.propagate = log.propagate, False  # Prefect's root console handler would print every raw line again
+    try:
+        yield
+    finally:
+        progress.listeners.remove(display)
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
@@ -248,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "run":
             return cmd_run(a.name, a.config, a.overrides, getattr(a, "debug", False))
         if a.cmd == "stage":
-            show_progress(a.progress_every, getattr(a, "debug", False))
-            return cmd_stage(a.name, a.config, a.overrides)
+            with show_progress(a.progress_every, getattr(a, "debug", False)):
+                return cmd_stage(a.name, a.config, a.overrides)
         if a.cmd == "serve-rm":
             from rlhf_core.serve_rm import serve
 
