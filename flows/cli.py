@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import sys
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,27 +47,37 @@ STAGES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "stage
                 if p.stem not in ("__init__", "common"))
 
 
-def console_without_tracebacks() -> None:
+@contextmanager
+def console_without_tracebacks():
     """Prefect's console log prints a failed task's traceback; the CLI prints the failure as one line
-    instead (`--debug` keeps them). Only the console's formatter changes: the run log in the API keeps them."""
+    instead (`--debug` keeps them). Only the console's formatter changes, for the command's duration: the
+    run log in the API keeps the tracebacks."""
     import logging
 
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    def without_traceback(base):
+        def format(self, record):  # the record is shared with the API handler: restore it
+            saved = record.exc_info, record.exc_text, record.stack_info
+            record.exc_info = record.exc_text = record.stack_info = None
+            try:
+                return base.format(self, record)
+            finally:
+                record.exc_info, record.exc_text, record.stack_info = saved
+
+        return type("NoTraceback", (base,), {"format": format})
+
+    changed = []
     for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
         for h in getattr(logger, "handlers", []):
-            if isinstance(h, PrefectConsoleHandler) and h.formatter and not getattr(h.formatter, "_no_tb", False):
-                base = type(h.formatter)
-
-                def format(self, record, base=base):  # the record is shared with the API handler: restore it
-                    saved = record.exc_info, record.exc_text, record.stack_info
-                    record.exc_info = record.exc_text = record.stack_info = None
-                    try:
-                        return base.format(self, record)
-                    finally:
-                        record.exc_info, record.exc_text, record.stack_info = saved
-
-                h.formatter.__class__ = type("NoTraceback", (base,), {"format": format, "_no_tb": True})
+            if isinstance(h, PrefectConsoleHandler) and h.formatter and h.formatter not in [f for f, _ in changed]:
+                changed.append((h.formatter, type(h.formatter)))
+                h.formatter.__class__ = without_traceback(type(h.formatter))
+    try:
+        yield
+    finally:
+        for fmt, base in changed:
+            fmt.__class__ = base
 
 
 def cmd_run(flow: str, config: str | None, overrides: list[str], debug: bool = False) -> int:
@@ -74,9 +85,8 @@ def cmd_run(flow: str, config: str | None, overrides: list[str], debug: bool = F
 
     mod = _flow_module(flow)
     params = load_config(mod.Params, config, overrides)
-    if not debug:
-        console_without_tracebacks()
-    report = mod.FLOW(params)
+    with console_without_tracebacks() if not debug else contextlib.nullcontext():
+        report = mod.FLOW(params)
     print(format_report(report))
     return 0
 

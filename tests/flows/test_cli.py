@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import flows.iterative_dpo  # noqa: F401  (Prefect binds its console log to sys.stderr here: outside capsys)
 from flows import cli
 
 ROOT = Path(__file__).resolve().parents[2]
