@@ -43,6 +43,13 @@ def bare_loop(model, tok, texts, n, max_new, batch) -> int:
     return tokens
 
 
+def same_dtype(a: set, b: set) -> None:
+    """Peers compare only in the same precision (fp32 on CPU): refuse otherwise."""
+    if {str(x) for x in a} != {str(x) for x in b} or len(a) != 1:
+        raise SystemExit(f"refusing to compare: dtypes differ ({sorted(map(str, a))} vs {sorted(map(str, b))})")
+    print(f"both sides in {next(iter(a))}")
+
+
 def part_bare(model_dir: str, repeats: int = 3) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,6 +59,7 @@ def part_bare(model_dir: str, repeats: int = 3) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     engine = g.HFEngine(model_dir, g.EngineSpec(batch_size=32))
+    same_dtype({p.dtype for p in model.parameters()}, {p.dtype for p in engine.model.parameters()})
     texts = prompts(128)
     ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
     print("| variant | prompts x samples | tokens | seconds (median of 3) | tokens/s |\n|---|---|---|---|---|")
@@ -85,6 +93,7 @@ def part_vllm(model_dir: str) -> None:
     v = g.VLLMEngine(model_dir, g.EngineSpec(max_model_len=128))
     start = time.perf_counter() - t0
     h = g.HFEngine(model_dir, g.EngineSpec(batch_size=64))
+    same_dtype({str(v.llm.llm_engine.model_config.dtype)}, {str(p.dtype) for p in h.model.parameters()})
     print(f"vllm engine start: {start:.1f}s (enforce_eager, fp32)")
     print("| prompts x samples | hf tokens/s | vllm tokens/s | vllm / hf |\n|---|---|---|---|")
     for n_prompts, n in ((8, 1), (32, 4), (64, 8), (128, 16)):

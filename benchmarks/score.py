@@ -37,6 +37,9 @@ def main(n: int = 2048, batch: int = 32, repeats: int = 3) -> None:
         tok = AutoTokenizer.from_pretrained(rm_dir)
         model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
         engine = RMEngine(str(rm_dir), RewardSpec(model=str(rm_dir), batch_size=batch))
+        dtypes = ({p.dtype for p in model.parameters()}, {p.dtype for p in engine.body.parameters()} | {engine.head.weight.dtype})
+        if dtypes[0] != dtypes[1] or len(dtypes[0]) != 1:  # peers compare only in the same precision
+            raise SystemExit(f"refusing to compare: dtypes differ {dtypes}")
         prompts, responses = texts(n)
         full = [p + r + tok.eos_token for p, r in zip(prompts, responses)]
         real = sum(len(tok(t, add_special_tokens=False).input_ids) for t in full)

@@ -5,6 +5,11 @@
     rlhf-flows stage STAGE --config FILE [key=value ...]   one stage alone (prepare, generate, score, ...)
     rlhf-flows show URI                                    an artifact's manifest and lineage, or a run
     rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
+    rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
+
+`--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
+artifact, reward, generation, job) prints one line naming what failed and exits 2; `--debug` shows the
+traceback.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import importlib
 import json
 import os
 import sys
+import contextlib
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_core import store
@@ -22,17 +29,65 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
 def _flow_module(name: str):
+    from stages.common import ConfigError
+
     if name not in FLOWS:
-        raise SystemExit(f"unknown flow {name!r}; choose from {', '.join(FLOWS)}")
+        raise ConfigError(f"unknown flow {name!r}; choose from {', '.join(FLOWS)}")
     return importlib.import_module(FLOWS[name])
 
 
-def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
+def _stage_module(name: str):
+    from stages.common import ConfigError
+
+    if not (Path(__file__).resolve().parent.parent / "stages" / f"{name}.py").exists() or name == "common":
+        raise ConfigError(f"unknown stage {name!r}; choose from {', '.join(STAGES)}")
+    return importlib.import_module(f"stages.{name}")
+
+
+STAGES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "stages").glob("*.py")
+                if p.stem not in ("__init__", "common"))
+
+
+@contextmanager
+def console_without_tracebacks():
+    """Prefect's console log prints a failed task's traceback; the CLI prints the failure as one line
+    instead (`--debug` keeps them). Only the console's formatter changes, for the command's duration: the
+    run log in the API keeps the tracebacks."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    def without_traceback(base):
+        def format(self, record):  # the record is shared with the API handler: restore it
+            saved = record.exc_info, record.exc_text, record.stack_info
+            record.exc_info = record.exc_text = record.stack_info = None
+            try:
+                return base.format(self, record)
+            finally:
+                record.exc_info, record.exc_text, record.stack_info = saved
+
+        return type("NoTraceback", (base,), {"format": format})
+
+    changed = []
+    for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+        for h in getattr(logger, "handlers", []):
+            if isinstance(h, PrefectConsoleHandler) and h.formatter and h.formatter not in [f for f, _ in changed]:
+                changed.append((h.formatter, type(h.formatter)))
+                h.formatter.__class__ = without_traceback(type(h.formatter))
+    try:
+        yield
+    finally:
+        for fmt, base in changed:
+            fmt.__class__ = base
+
+
+def cmd_run(flow: str, config: str | None, overrides: list[str], debug: bool = False) -> int:
     from stages.common import load_config
 
     mod = _flow_module(flow)
     params = load_config(mod.Params, config, overrides)
-    report = mod.FLOW(params)
+    with console_without_tracebacks() if not debug else contextlib.nullcontext():
+        report = mod.FLOW(params)
     print(format_report(report))
     return 0
 
@@ -40,9 +95,9 @@ def cmd_run(flow: str, config: str | None, overrides: list[str]) -> int:
 def format_report(rep: dict) -> str:
     """The per-iteration table the loop flows also publish as a Prefect table artifact."""
     rows = rep.get("iterations", [])
-    cols = [c for c in ("iteration", "samples", "kept", "ties_dropped", "train_rm_reward", "rm_reward", "gold_reward",
-                        "dpo_loss", "dpo_reward_margin", "sft_loss") if any(c in r for r in rows)]
-    cols += sorted({c for r in rows for c in r if c.endswith("_s")})
+    from flows.runtime import columns
+
+    cols = [c for c in columns(rows) if not c.endswith(("_steps", "_accuracy"))]
     fmt = lambda v: "" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     width = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
     lines = [f"{rep.get('flow')} run {rep.get('run')}: {rep.get('stop_reason')} ({rep.get('wall_s')} s)",
@@ -55,10 +110,7 @@ def format_report(rep: dict) -> str:
 def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
     from stages.common import load_config
 
-    try:
-        mod = importlib.import_module(f"stages.{name}")
-    except ModuleNotFoundError:
-        raise SystemExit(f"unknown stage {name!r}") from None
+    mod = _stage_module(name)
     cfg = load_config(mod.Config, config, overrides, section=name)
     m = mod.run(cfg)
     print(f"{m.stage} committed at {m.uri}\nfingerprint {m.fingerprint}  rows {m.rows}\nmetrics {json.dumps(m.metrics, default=str)}")
@@ -85,7 +137,7 @@ def _lineage(uri: str, depth: int, seen: set, out: list[str], fp: str | None = N
 
 
 def show(uri: str) -> str:
-    """Text for `rlhf-flows show`: a manifest with its lineage tree, or a run folder's iterations."""
+    """Text for `rlhf-flows show URI`: a manifest with its lineage tree, or a run folder's iterations."""
     uri = uri.rstrip("/")
     out: list[str] = []
     if store.committed_any(uri):
@@ -111,14 +163,17 @@ def show(uri: str) -> str:
             out.append("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in it.items() if not isinstance(v, dict)))
     out.append("artifacts:")
-    for p in sorted(fs.find(path)):
-        if p.endswith(store.MANIFEST) and f"/{store.VERSIONS}/" not in p:
-            art = p[: -len(store.MANIFEST) - 1]
-            full = uri + art[len(path):]
-            m = store.read_manifest(full)
-            out.append(f"  {full[len(uri) + 1:]:<32} {m.stage:<10} {m.fingerprint}  <- "
-                       + ", ".join(i["uri"][len(uri) + 1:] if i["uri"].startswith(uri) else i["uri"] for i in m.inputs)
-                       + "".join(f"\n  {'':<32} previous {v.fingerprint}" for v in store.versions(full)))
+    found = [p for p in sorted(fs.find(path)) if p.endswith(store.MANIFEST) and f"/{store.VERSIONS}/" not in p]
+    if not found and not fs.exists(report):  # e.g. the partial output of an interrupted stage
+        raise store.NotCommittedError(f"{uri} is not a committed artifact (no {store.MANIFEST}) and holds no run "
+                                      "report or committed artifacts")
+    for p in found:
+        art = p[: -len(store.MANIFEST) - 1]
+        full = uri + art[len(path):]
+        m = store.read_manifest(full)
+        out.append(f"  {full[len(uri) + 1:]:<32} {m.stage:<10} {m.fingerprint}  <- "
+                   + ", ".join(i["uri"][len(uri) + 1:] if i["uri"].startswith(uri) else i["uri"] for i in m.inputs)
+                   + "".join(f"\n  {'':<32} previous {v.fingerprint}" for v in store.versions(full)))
     return "\n".join(out)
 
 
@@ -132,44 +187,118 @@ def gc(uri: str, keep: int) -> str:
                                                           f"their {keep} newest"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlhf-flows", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@contextmanager
+def show_progress(every_s: float, verbose: bool):
+    """`stage` on a terminal: training step/total, loss, tokens/s and ETA, generate/score rows/total, and
+    the job's notable lines. (`run` shows them through Prefect's console log.)"""
+    import logging
+
+    from rlhf_core import progress
+
+    progress.install()
+    display = progress.Display(every_s=every_s, verbose=verbose)
+    progress.listeners.append(display)
+    log, handler = logging.getLogger("rlhf_flows"), display.handler()
+    log.addHandler(handler)
+    propagate, log.propagate = log.propagate, False  # Prefect's root console handler would print every raw line again
+    try:
+        yield
+    finally:
+        progress.listeners.remove(display)
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """What a user can cause and fix (config, data, artifact, reward, generation, job): one line, exit 2.
+    Anything else is a bug and keeps its traceback."""
+    from rlhf_core.generation import GenerationError
+    from rlhf_core.jobs import JobFailed
+    from rlhf_core.rewards import RewardError
+    from rlhf_core.train.checkpoints import CheckpointError
+    from rlhf_core.train.launch import TrainingIncomplete
+    from stages.common import StageFailed
+
+    # ValueError covers ConfigError, DataError and FilterError, and the config checks inside run().
+    return (ValueError, store.ArtifactError, FileNotFoundError, PermissionError, RewardError, GenerationError,
+            JobFailed, TrainingIncomplete, CheckpointError, StageFailed)
+
+
+def parser() -> argparse.ArgumentParser:
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p = argparse.ArgumentParser(prog="rlhf-flows", description=__doc__, parents=[debug],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run the iterative-DPO demo (CPU, local folder, Prefect's local API)")
+    d = sub.add_parser("demo", parents=[debug], help="run the iterative-DPO demo (CPU, local folder, Prefect's local API)")
     d.add_argument("--root", default="runs", help="artifact root (a folder, or s3://bucket/prefix)")
     d.add_argument("--run-name", default="demo")
     d.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
-    for name, helptext in (("run", "run a flow"), ("stage", "run one stage")):
-        s = sub.add_parser(name, help=helptext)
+    for name, helptext in (("run", f"run a flow ({' | '.join(FLOWS)})"), ("stage", f"run one stage ({' | '.join(STAGES)})")):
+        s = sub.add_parser(name, parents=[debug], help=helptext)
         s.add_argument("name")
         s.add_argument("--config", help="YAML config file")
         s.add_argument("overrides", nargs="*", help="key=value (dotted keys for nested fields)")
-    sh = sub.add_parser("show", help="print an artifact's manifest and lineage, or a run's iterations")
+        s.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                       help="without a terminal: one progress line every SECONDS (a terminal gets a bar)")
+    sh = sub.add_parser("show", parents=[debug], help="print an artifact's manifest and lineage, or a run's iterations")
     sh.add_argument("uri")
-    g = sub.add_parser("gc", help="delete all but the N newest versions of each artifact under URI")
+    g = sub.add_parser("gc", parents=[debug], help="delete all but the N newest versions of each artifact under URI")
     g.add_argument("uri")
     g.add_argument("--keep", type=int, required=True, help="versions to keep per artifact, the current one included (>= 1)")
-    a = p.parse_args(argv)
+    rm = sub.add_parser("serve-rm", parents=[debug], help="serve a reward model over HTTP (the score stage's remote_rm_url)")
+    rm.add_argument("model", help="committed reward-model artifact or plain HF folder (any fsspec URI)")
+    rm.add_argument("--host", default="127.0.0.1")
+    rm.add_argument("--port", type=int, default=5000)
+    rm.add_argument("--batch-size", type=int, default=64, help="rows per forward pass")
+    rm.add_argument("--max-len", type=int, default=2048, help="max tokens of prompt + response")
+    rm.add_argument("--no-normalize-reward", dest="normalize_reward", action="store_false",
+                    help="return raw scores (default: apply the model's reward_mean/reward_std)")
+    rm.add_argument("--value-head-prefix", default="value_head")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse, accepting key=value overrides before and after options (`run F --config C k=v` and
+    `run F k=v --config C`): argparse stops filling a trailing nargs="*" positional once an option was seen."""
+    p = parser()
+    a, extra = p.parse_known_args(argv)
+    if extra and (not hasattr(a, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        a.overrides = [*a.overrides, *extra]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry calls from a closed network
     # Prefect's local API migrates a fresh database on its first start: 20 s (its default limit) is too
     # tight on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from flows.runtime import api_server_dies_with_us
-    from stages.common import ConfigError
 
     api_server_dies_with_us()  # kill -9 of this process alone must not leave Prefect's server behind
-
     try:
         if a.cmd == "demo":
-            return cmd_run("iterative-dpo", str(DEMO_CONFIG), [f"root={a.root}", f"run_name={a.run_name}", *a.overrides])
+            return cmd_run("iterative-dpo", str(DEMO_CONFIG), [f"root={a.root}", f"run_name={a.run_name}", *a.overrides],
+                           getattr(a, "debug", False))
         if a.cmd == "run":
-            return cmd_run(a.name, a.config, a.overrides)
+            return cmd_run(a.name, a.config, a.overrides, getattr(a, "debug", False))
         if a.cmd == "stage":
-            return cmd_stage(a.name, a.config, a.overrides)
+            with show_progress(a.progress_every, getattr(a, "debug", False)):
+                return cmd_stage(a.name, a.config, a.overrides)
+        if a.cmd == "serve-rm":
+            from rlhf_core.serve_rm import serve
+
+            return serve(a.model, a.host, a.port, batch_size=a.batch_size, max_len=a.max_len,
+                         normalize=a.normalize_reward, value_head_prefix=a.value_head_prefix)
         print(gc(a.uri, a.keep) if a.cmd == "gc" else show(a.uri))
         return 0
-    except (ConfigError, store.ArtifactError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except expected_errors() as e:
+        if getattr(a, "debug", False):
+            raise
+        print(f"rlhf-flows: error: {e}", file=sys.stderr)
         return 2
 
 

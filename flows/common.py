@@ -83,10 +83,15 @@ class LoopParams(BaseModel):
     stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
     max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
     lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
+    use_tensorboard: bool = Field(False, description="TensorBoard event files of the per-iteration report in {run}/tensorboard/.")
+    use_wandb: bool = Field(False, description="A W&B run of the per-iteration report (online with WANDB_API_KEY, else offline in {run}/wandb/).")
+    wandb_project: str = Field("rlhf-flows", description="W&B project.")
 
     pretrain_uri: str | None = Field(None, description="Initial policy (model artifact). demo=true: the tiny policy.")
     reward_uri: str | None = Field(None, description="Reward model artifact; if unset, one is trained on preference_data.")
     reward_func_file: str | None = Field(None, description="Python file with reward_func(queries, prompts, labels), instead of an RM.")
+    reward_url: str | None = Field(None, description="Remote reward server (e.g. `rlhf-flows serve-rm MODEL`), instead of an RM; "
+                                   "score.timeout_s / score.retries apply.")
     reward_base_uri: str | None = Field(None, description="Model train_rm starts from (default: the reward base of the demo, else pretrain_uri).")
     sft_data: str | None = Field(None, description="SFT warm-up data (input/output rows); skipped if unset.")
     preference_data: str | None = Field(None, description="Preference pairs for train_rm.")
@@ -94,6 +99,8 @@ class LoopParams(BaseModel):
     eval_prompt_data: str | None = Field(None, description="Held-out prompts for evaluation after each iteration.")
     gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func for evaluation (the demo's).")
     prepare: dict = Field(default_factory=dict, description="Keys for raw sources: input_key, apply_chat_template, ...")
+    train_split: str = Field("train", description="Split of prompt_data read where it has splits (OpenRLHF --train_split).")
+    eval_split: str = Field("test", description="Split of eval_prompt_data read where it has splits (OpenRLHF --eval_split).")
     sft: dict = Field(default_factory=dict, description="SFT warm-up settings.")
     train_rm: dict = Field(default_factory=dict, description="Reward-model training settings.")
     generate: dict = Field(default_factory=dict, description="Generation settings (backend, best_of_n, ...).")
@@ -121,6 +128,8 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
     """Every stage config the flow will build is valid (errors name `stage.field`); placeholder URIs stand
     in for the ones the loop wires in. `checks`: the flow's own stages -> their settings."""
     x = "placeholder://"
+    if len(given := [f for f in ("reward_uri", "reward_func_file", "reward_url") if getattr(p, f)]) > 1:
+        raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
     stage_config(_stage("prepare"), {"kind": "prompts", **p.prepare}, data=x, output_uri=x)
     stage_config(_stage("generate"), p.generate, policy_uri=x, prompts_uri=x, output_uri=x)
     stage_config(_stage("score"), p.score, samples_uri=x, reward_model_uri=x, output_uri=x)
@@ -133,8 +142,8 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
                                       if f.endswith("_uri") and info.is_required()})
     if not p.demo:
         missing = [f for f in ("pretrain_uri", "prompt_data") if not getattr(p, f)]
-        if not (p.reward_uri or p.reward_func_file or p.preference_data):
-            missing.append("reward_uri (or reward_func_file, or preference_data to train one)")
+        if not (p.reward_uri or p.reward_func_file or p.reward_url or p.preference_data):
+            missing.append("reward_uri (or reward_func_file, reward_url, or preference_data to train one)")
         if missing:
             raise ConfigError(f"{flow_name}: missing {', '.join(missing)} (or set demo=true)")
 
@@ -150,17 +159,18 @@ def prepare_inputs(p: LoopParams, run: dict):
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
     gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
     per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5}[run["flow"]]  # stage calls, eval included
-    planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file))
+    planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file or p.reward_url))
                + p.iterations * per_iteration)
-    report = Report(run["flow"], p.root, p.run_name, so, stages=planned)
+    report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
+                    tracking={"tensorboard": p.use_tensorboard, "wandb": p.use_wandb, "project": p.wandb_project})
 
     prepare = _stage("prepare")
-    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=prompt_data,
+    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.train_split}, data=prompt_data,
                                               tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
     _check_slices(p, prompts["rows"])
     eval_prompts = None
     if eval_data:
-        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare}, data=eval_data,
+        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.eval_split}, data=eval_data,
                                                        tokenizer_uri=_tok(p, policy), output_uri=at("eval_prompts"),
                                                        storage_options=so))["uri"]
     if sft_data:
@@ -168,8 +178,9 @@ def prepare_inputs(p: LoopParams, run: dict):
         policy = call(sft.task, stage_config(sft, p.sft, policy_uri=policy, dataset_uri=sft_data, output_uri=at("sft"),
                                              storage_options=so))["uri"]
         report.links["sft"] = policy
-    if p.reward_uri or p.reward_func_file:
-        reward = {"reward_model_uri": p.reward_uri} if p.reward_uri else {"reward_func_path": p.reward_func_file}
+    if p.reward_uri or p.reward_func_file or p.reward_url:
+        reward = ({"reward_model_uri": p.reward_uri} if p.reward_uri else {"remote_rm_url": p.reward_url} if p.reward_url
+                  else {"reward_func_path": p.reward_func_file})
     else:
         rm = _stage("train_rm")
         base = p.reward_base_uri or d.get("reward_base") or p.pretrain_uri
@@ -177,8 +188,8 @@ def prepare_inputs(p: LoopParams, run: dict):
                                                                  output_uri=at("reward_model"), storage_options=so))["uri"]}
     report.links.update({"prompts": prompts["uri"], **({"reward_model": reward.get("reward_model_uri")}
                                                        if reward.get("reward_model_uri") else {})})
-    report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold,
-                           reward_model_uri=reward.get("reward_model_uri"))
+    report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold, reward_model_uri=reward.get("reward_model_uri"),
+                           remote_rm_url=reward.get("remote_rm_url"), reference_uri=policy)  # KL to the initial policy
     evaluate_and_report(p, report, 0, policy, reward, [])
     return policy, reward, prompts["uri"], report
 
@@ -229,11 +240,13 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
             row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy")
                         if f"final_{key}" in tm})
             row[f"{name}_steps"] = tm.get("steps_done")
-    if report.eval_cfg.get("prompts_uri") and (report.eval_cfg.get("reward_model_uri") or report.eval_cfg.get("gold_reward_file")):
+    ec = report.eval_cfg
+    if ec.get("prompts_uri") and (ec.get("reward_model_uri") or ec.get("remote_rm_url") or ec.get("gold_reward_file")):
         ev = _stage("eval")
         em = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),
                                         storage_options=p.storage_options, **report.eval_cfg))
-        row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
+        row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward", "kl")})
+        row["response_length"] = em["metrics"].get("response_tokens_mean")
         by_stage["eval"] = em
     row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
     report.add(row, {f"iter-{k}/{s}": m["uri"] for s, m in by_stage.items()} | {f"iter-{k}/policy": policy})

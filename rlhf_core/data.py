@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core import store
+
+log = logging.getLogger("rlhf_flows")
 
 # Column -> arrow type for each artifact kind (DESIGN.md "Data"). Optional columns may be absent.
 SCHEMAS: dict[str, dict[str, pa.DataType]] = {
@@ -67,13 +71,41 @@ def validate_table(table: pa.Table, kind: str, where: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- reading sources
-def read_rows(uri: str, storage_options: dict | None = None) -> list[dict]:
-    """Every row of one source as dicts. The format follows the file ending (or a folder's contents)."""
+SPLIT_NAMED = re.compile(r"^(train|test|validation|valid|dev|eval)(?=[-_.]|$)")
+
+
+def source_split(source: str) -> tuple[str, str | None]:
+    """"uri@split" -> (uri, split): a split picked per source (OpenRLHF's `dataset@dir`); "@" counts only in
+    the last path component."""
+    head, sep, last = source.rpartition("/")
+    if "@" not in last:
+        return source, None
+    name, split = last.rsplit("@", 1)
+    return head + sep + name, split
+
+
+def read_rows(uri: str, storage_options: dict | None = None, split: str = "train", strict: bool = False) -> list[dict]:
+    """Every row of one source (of its `split`, where it has splits) as dicts. The format follows the file
+    ending or the folder's contents. Splits (OpenRLHF's train_split / eval_split): a save_to_disk
+    DatasetDict's split, files named by split (train.jsonl, test-00000-of-00001.parquet), or a sub-folder
+    named by split; a folder without splits is the dataset whatever the split. With `strict` (a split named
+    per source, "uri@split"), a missing split is an error; otherwise the first split stands in, with a warning."""
     fs, path = store.filesystem(uri, storage_options)
     if not fs.exists(path):
         raise FileNotFoundError(f"data source {uri} does not exist")
+    proto = uri.split("://", 1)[0] + "://" if "://" in uri else ""
+
+    def pick(available: list[str]) -> str:
+        if split in available:
+            return split
+        if strict or not available:
+            raise DataError(f"{uri}: no split {split!r}; it has {available}")
+        log.warning("%s has no split %r: reading %r", uri, split, available[0])
+        return "train" if "train" in available else available[0]
+
     if fs.isdir(path):
-        names = {p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        entries = fs.ls(path, detail=False)
+        names = {p.rsplit("/", 1)[-1] for p in entries}
         if store.MANIFEST in names:
             return store.read_table(uri, storage_options=storage_options).to_pylist()
         if "dataset_info.json" in names or "state.json" in names or "dataset_dict.json" in names:
@@ -81,13 +113,25 @@ def read_rows(uri: str, storage_options: dict | None = None) -> list[dict]:
 
             ds = datasets.load_from_disk(uri, storage_options=dict(storage_options or {}) or None)
             if isinstance(ds, datasets.DatasetDict):
-                ds = ds["train"] if "train" in ds else ds[list(ds)[0]]
+                ds = ds[pick(list(ds))]
             return ds.to_list()
-        files = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".jsonl", ".json", ".parquet", ".csv")))
+        files = sorted(p for p in entries if p.endswith((".jsonl", ".json", ".parquet", ".csv")))
+        by_split: dict[str, list[str]] = {}
+        for f in files:
+            if m := SPLIT_NAMED.match(f.rsplit("/", 1)[-1]):
+                by_split.setdefault(m.group(1), []).append(f)
+        dirs = sorted(n for n in names if SPLIT_NAMED.fullmatch(n) and fs.isdir(store.join(path, n)))
+        if by_split:
+            files = by_split[pick(sorted(by_split))]
+        elif dirs:
+            return read_rows(store.join(uri, pick(dirs)), storage_options)
+        elif strict:
+            raise DataError(f"{uri}: no split {split!r}: the folder has no split-named files or sub-folders")
         if not files:
             raise DataError(f"{uri}: folder holds no json/jsonl/csv/parquet file and no {store.MANIFEST}")
-        proto = uri.split("://", 1)[0] + "://" if "://" in uri else ""
         return [r for f in files for r in read_rows(proto + f if proto else f, storage_options)]
+    if strict:
+        raise DataError(f"{uri}: a file has no splits; {split!r} was asked for")
     with fs.open(path, "rb") as f:
         raw = f.read()
     if path.endswith(".parquet"):
@@ -115,7 +159,7 @@ def read_rows(uri: str, storage_options: dict | None = None) -> list[dict]:
 
 
 def load_mixture(sources: str | list[str], probs: str | list[float] | None = None, max_samples: int | None = None,
-                 seed: int = 42, storage_options: dict | None = None) -> list[tuple[str, int, dict]]:
+                 seed: int = 42, storage_options: dict | None = None, split: str = "train") -> list[tuple[str, int, dict]]:
     """Rows of one or more sources mixed by probability, as (source_uri, row_number, row).
 
     With probabilities, source i contributes round(p_i * N) rows (N = max_samples, else the total size),
@@ -129,7 +173,10 @@ def load_mixture(sources: str | list[str], probs: str | list[float] | None = Non
             probs = [float(p) for p in probs.split(",")]
         except ValueError:
             raise DataError(f"mixing probabilities {probs!r} are not numbers") from None
-    per_source = [[(s, i, r) for i, r in enumerate(read_rows(s, storage_options))] for s in srcs]
+    per_source = []
+    for s in srcs:
+        uri, own = source_split(s)
+        per_source.append([(s, i, r) for i, r in enumerate(read_rows(uri, storage_options, own or split, strict=bool(own)))])
     rng = random.Random(seed)
     if probs is None or len(srcs) == 1:
         if probs is not None and len(probs) != 1:
@@ -232,6 +279,20 @@ def sft_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> l
     return out
 
 
+def sample_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
+    """Raw rows -> `samples` rows (prompt, response, sample_index, label): an existing dataset's responses
+    to score and filter like generated ones (OpenRLHF's csft example scores `--input_key chosen` of a
+    preference set). Prompt and response are read as for sft rows; sample_index counts per prompt."""
+    seen: dict[str, int] = {}
+    out = []
+    for (src, i, row), r in zip(raw, sft_rows(raw, fmt, tokenizer)):
+        label = row.get(fmt.label_key) if fmt.label_key else None
+        out.append({"prompt": r["input"], "response": r["output"], "sample_index": seen.get(r["input"], 0),
+                    "label": None if label is None else str(label)})
+        seen[r["input"]] = seen.get(r["input"], 0) + 1
+    return out
+
+
 def pair_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
     """Raw rows -> `pairs` rows (prompt, chosen, rejected). chosen/rejected may be message lists whose last
     message is the answer (OpenRLHF's reward-dataset format); the rest becomes the prompt."""
@@ -249,5 +310,9 @@ def pair_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> 
         for k, v in ((fmt.chosen_key, chosen), (fmt.rejected_key, rejected)):
             if not isinstance(v, str):
                 raise DataError(f"{src} row {i}: key {k!r} must be a string, got {type(v).__name__}")
+            if not v.strip():
+                raise DataError(f"{src} row {i}: key {k!r} is empty")
+        if chosen == rejected:  # no preference to learn; DPO and RM training would refuse it later
+            raise DataError(f"{src} row {i}: {fmt.chosen_key!r} and {fmt.rejected_key!r} are identical ({chosen[:40]!r})")
         out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return out

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_core import models
+from rlhf_core import models, progress
 
 log = logging.getLogger("rlhf_flows")
 
@@ -224,11 +224,19 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
     """Run `engine_cls(*init_args).method(shard, **call_kwargs)` over contiguous shards of `items`, in this
     process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order.
     Ray actors read credentials from their own environment (a local Ray inherits this process's), never from
-    arguments. A dead actor, or no shard finishing for `stall_timeout_s`, raises GenerationError naming
+    arguments. A dead actor, or no chunk finishing for `stall_timeout_s`, raises GenerationError naming
     `what`; nothing is committed, so a rerun starts the stage again."""
+    # Each engine's shard goes in up to 8 chunks of >= 256 items, queued on its actor: a progress line per
+    # finished chunk. Small jobs (the demo, eval sets) stay one call per engine, as before.
+    bounds = shard(len(items), max(1, num_engines))
+    chunks = [(o, s + a, s + b) for o, (s, e) in enumerate(bounds) for a, b in shard(e - s, min(8, max(1, (e - s) // 256)))]
+    offset = lambda s: {"first_index": s} if pass_offset else {}  # noqa: E731
     if num_engines <= 0:
-        res = getattr(engine_cls(*init_args), method)(items, **call_kwargs)
-        return list(res)
+        engine, out = engine_cls(*init_args), []
+        for _, s, e in chunks:
+            out += list(getattr(engine, method)(items[s:e], **call_kwargs, **offset(s)))
+            progress.rows(method, e, len(items))
+        return out
     import ray
 
     started = _ray_up(ray_address)
@@ -238,23 +246,23 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
         if env:
             opts["runtime_env"] = {"env_vars": env}
         remote_cls = ray.remote(engine_cls).options(**opts)
-        bounds = shard(len(items), num_engines)
         actors = [remote_cls.remote(*init_args) for _ in bounds]
-        futures = [getattr(a, method).remote(items[s:e], **call_kwargs, **({"first_index": s} if pass_offset else {}))
-                   for a, (s, e) in zip(actors, bounds)]
-        results, pending = {}, list(futures)
+        futures = [getattr(actors[o], method).remote(items[s:e], **call_kwargs, **offset(s)) for o, s, e in chunks]
+        results, pending, done = {}, list(futures), 0
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=stall_timeout_s)
-            if not done:
-                raise GenerationError(f"{what}: no engine finished its shard for {stall_timeout_s:g}s "
-                                      f"({len(pending)} of {len(futures)} still running): stalled (stall_timeout_s)")
-            k = futures.index(done[0])
+            ready, pending = ray.wait(pending, num_returns=1, timeout=stall_timeout_s)
+            if not ready:
+                raise GenerationError(f"{what}: no engine finished a chunk for {stall_timeout_s:g}s "
+                                      f"({len(pending)} of {len(futures)} chunks still running): stalled (stall_timeout_s)")
+            k = futures.index(ready[0])
             try:
-                results[k] = ray.get(done[0])
+                results[k] = ray.get(ready[0])
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-                raise GenerationError(f"{what}: engine {k + 1} of {len(futures)} died mid-run "
+                raise GenerationError(f"{what}: engine {chunks[k][0] + 1} of {len(actors)} died mid-run "
                                       f"({type(e).__name__}); nothing was committed, rerun to resume") from None
-        return [x for k in range(len(futures)) for x in results[k]]  # shard order -> prompt order
+            done += chunks[k][2] - chunks[k][1]
+            progress.rows(method, done, len(items))
+        return [x for k in range(len(futures)) for x in results[k]]  # chunk order -> item order
     finally:
         for a in actors:
             ray.kill(a)  # frees the engine's memory now, not at Ray shutdown

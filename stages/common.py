@@ -4,15 +4,15 @@ A stage module defines
     class Config(StageConfig): ...           # pydantic; fields with descriptions and bounds
     def run(cfg: Config) -> Manifest: ...    # plain function: the algorithm; idempotent via the manifest
     task = stage_task("name", run)           # the Prefect task flows call
-so `rlhf-flows stage NAME --config F k=v` can load any of them the same way.
+so `rlhf-flows stage NAME --config FILE key=value` can load any of them the same way.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import inspect
-import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -20,9 +20,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rlhf_core import store
-
-# Forward rlhf_core's `logging` output (job lines, progress) into the Prefect run log.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_flows")
 
 
 class ConfigError(ValueError):
@@ -63,7 +60,10 @@ def parse_overrides(pairs: list[str]) -> dict:
         parts = key.split(".")
         for k in parts[:-1]:
             node = node.setdefault(k, {})
-        node[parts[-1]] = yaml.safe_load(val) if val else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(val) if val else ""
+        except yaml.YAMLError:  # not a YAML scalar (e.g. "a: b: c", "..."): the text itself
+            node[parts[-1]] = val
     return out
 
 
@@ -141,13 +141,14 @@ def stage_task(name: str, run: Callable, **options):
     def body(cfg):
         import dataclasses
 
-        try:
-            return dataclasses.asdict(run(cfg))
-        except Exception as e:  # Prefect logs and stores a task's exception: only a redacted one gets there
-            clean = store.redact_error(e, cfg.storage_options)
-            if clean is e:
-                raise
-            raise clean from None
+        with run_log():
+            try:
+                return dataclasses.asdict(run(cfg))
+            except Exception as e:  # Prefect logs and stores a task's exception: only a redacted one gets there
+                clean = store.redact_error(e, cfg.storage_options)
+                if clean is e:
+                    raise
+                raise clean from None
 
     body.__name__ = f"{name}_task"
     body.__qualname__ = body.__name__
@@ -155,6 +156,35 @@ def stage_task(name: str, run: Callable, **options):
     body.stage_source = inspect.getsource(sys.modules[run.__module__])  # the generic body is the same for all
     return task(name=name, cache_key_fn=_cache_key, persist_result=True, result_serializer="json",
                 task_run_name=f"{name}", **options)(body)
+
+
+@contextmanager
+def run_log():
+    """Inside a Prefect task: every `rlhf_flows` line (the training job's step / loss / tokens/s lines,
+    DeepSpeed's, progress rows) goes to the task's run logger, so the flow run's log in the UI and API holds
+    them. A handler added here, not PREFECT_LOGGING_EXTRA_LOGGERS: Prefect reads that setting when it
+    configures logging, which happens before a stage module is imported."""
+    import logging
+
+    from prefect.logging import get_run_logger
+
+    from rlhf_core import progress
+
+    run_logger = get_run_logger()
+
+    class ToRunLog(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            run_logger.log(record.levelno, "%s", record.getMessage())
+
+    progress.install()
+    handler, log = ToRunLog(), logging.getLogger("rlhf_flows")
+    log.addHandler(handler)
+    propagate, log.propagate = log.propagate, False  # Prefect's console shows the run log: not twice
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 class StageFailed(RuntimeError):

@@ -5,7 +5,7 @@
   csft      conditional SFT: "{input} <rm_score>: {reward} " (optionally normalised rewards) -> `sft` rows
 Optionally first keeps only prompts whose mean reward lies inside (min_reward, max_reward) (dynamic filtering).
 
-    rlhf-flows stage filter --config configs/tiny.yaml scored_uri=... method=iter_dpo
+    rlhf-flows stage filter scored_uri=... method=iter_dpo output_uri=...
 """
 from __future__ import annotations
 

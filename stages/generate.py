@@ -7,7 +7,7 @@ against `prompt_max_len` (keep the last tokens and count, or reject), and sample
 on `num_engines` Ray actors (rlhf_core.generation). Left out: OpenRLHF's csft prompt suffix at generation
 time (use the csft filter's template on the next iteration's prompts instead).
 
-    rlhf-flows stage generate --config configs/tiny.yaml backend=vllm num_engines=2
+    rlhf-flows stage generate policy_uri=... prompts_uri=... output_uri=... backend=vllm num_engines=2
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def run(cfg: Config) -> store.Manifest:
     uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
     policy_m = store.model_manifest(cfg.policy_uri, cfg.storage_options)
     inputs = {"policy": policy_m,
-              **{f"prompts{k or ''}": store.source_manifest(u, cfg.storage_options) for k, u in enumerate(uris)}}
+              **{f"prompts{k or ''}": store.source_manifest(data.source_split(u)[0], cfg.storage_options) for k, u in enumerate(uris)}}
     w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done

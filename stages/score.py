@@ -6,7 +6,9 @@ source (rlhf_core.rewards): a reward model (sequence classifier or OpenRLHF valu
 `reward_func(queries, prompts, labels)`, or a remote reward server (OpenRLHF serve_rm shape). Rewards must
 be finite. Note: a remote server's model is outside the fingerprint; only its URL enters it.
 
-    rlhf-flows stage score --config configs/tiny.yaml samples_uri=... reward_model_uri=...
+    rlhf-flows stage score samples_uri=... reward_model_uri=... output_uri=...
+    rlhf-flows serve-rm s3://b/rm --port 5000     # then, elsewhere:
+    rlhf-flows stage score samples_uri=... remote_rm_url=http://127.0.0.1:5000/ output_uri=...
 """
 from __future__ import annotations
 

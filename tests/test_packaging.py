@@ -107,3 +107,28 @@ def test_gpu_image_install_resolves_to_the_tested_versions(tmp_path):
     assert got["vllm"] == pins["vllm"] and got["torch"].split("+")[0] == pins["torch"]
     assert got["prefect"] == pins["prefect"] and got["fastapi"] == pins["fastapi"]
     assert got["transformers"] == pins["transformers"] and got["bitsandbytes"] == pins["bitsandbytes"]
+
+
+def test_every_deployment_s_parameters_validate_against_its_flow():
+    """What `prefect deploy` would register: Prefect's own parameter schema check (the one the server and UI
+    apply), then the flow's pydantic model and its up-front stage validation. The gpu deployment trains in
+    bf16 and writes to object storage, not the container's throwaway disk."""
+    import importlib
+
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows import common
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    for d in spec["deployments"]:
+        path, fn = d["entrypoint"].split(":")
+        mod = importlib.import_module(path[:-3].replace("/", "."))
+        schema = parameter_schema(getattr(mod, fn)).model_dump_for_openapi()
+        assert validate(d["parameters"], schema, raise_on_error=True) == [], d["name"]
+        params = mod.Params.model_validate(d["parameters"]["params"])
+        common.validate(params, mod.__name__.split(".")[-1], mod.checks(params))
+        if d["name"] == "gpu":
+            assert params.root.startswith("s3://")
+            assert all(getattr(params, s)["bf16"] is True for s in ("sft", "train_rm", "dpo"))
+            assert params.generate["dtype"] == params.score["dtype"] == "bf16"

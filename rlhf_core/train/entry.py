@@ -283,7 +283,12 @@ def main(spec_ref: str) -> None:
                 acc[k] = acc.get(k, 0.0) + float(v.float().mean()) / len(plan.micro_batches(step, rank))
         history.append({"step": step + 1, "samples": plan.batch(step), "lr": sched.get_last_lr()[0], **acc})
         if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
-            print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items()), flush=True)
+            from rlhf_core.progress import eta
+
+            took = time.time() - t0  # rank 0's tokens x world: the progress line's throughput estimate
+            print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items())
+                  + f" tokens/s={tokens_done * world / max(took, 1e-9):.0f} eta={eta(took / (step + 1 - start) * (total - step - 1))}",
+                  flush=True)
         if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
             save_checkpoint(engine, spec, step + 1, history, rank, world)
     train_s = time.time() - t0

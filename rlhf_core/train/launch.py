@@ -73,6 +73,10 @@ class TrainFields(BaseModel):
     debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a job).")
     stall_timeout_s: float = Field(1800.0, gt=0, description="Kill the job and fail when it prints no line for this long.")
     upload_retries: int = Field(3, ge=0, description="Retries of the final upload (the model stays on local disk).")
+    use_tensorboard: bool = Field(False, description="TensorBoard event files of every step in the artifact's tensorboard/.")
+    use_wandb: bool = Field(False, description="A W&B run of every step (online with WANDB_API_KEY, else offline in wandb/).")
+    wandb_project: str = Field("rlhf-flows", description="W&B project.")
+    wandb_run_name: str | None = Field(None, description="W&B run name (default: the artifact URI's last parts).")
 
     @model_validator(mode="after")
     def _batches_divide(self):
@@ -88,7 +92,8 @@ class TrainFields(BaseModel):
 
 
 TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
-                 "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries"}
+                 "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
+                 "wandb_project", "wandb_run_name"}
 SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "dataset_probs", "apply_chat_template", "input_template",
                                              "max_samples", "max_len", "overlong"}
 
@@ -102,7 +107,7 @@ def check_hardware(cfg) -> None:
 
 def input_manifests(cfg) -> dict[str, store.Manifest]:
     srcs = [s.strip() for s in cfg.dataset_uri.split(",") if s.strip()]
-    return {f"dataset{i or ''}": store.source_manifest(s, cfg.storage_options) for i, s in enumerate(srcs)}
+    return {f"dataset{i or ''}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(srcs)}
 
 
 def load_rows(cfg, kind: str, fmt: data.Format, tokenizer) -> list[dict]:
@@ -142,9 +147,19 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
         log.info("reusing the model trained for %s in %s (its upload had failed): not retraining", w.uri, work)
     else:
         result = _train(cfg, w, work, method, records, model_dir, tokenizer, extra_spec, model_uri)
+    tracked = []
+    if cfg.use_tensorboard or cfg.use_wandb:
+        from rlhf_core import tracking
+
+        tracked = tracking.write(work / "tracking", [{k: v for k, v in h.items() if k != "samples"} for h in result["history"]],
+                                 "step", tensorboard=cfg.use_tensorboard, wandb=cfg.use_wandb, prefix=method,
+                                 project=cfg.wandb_project, run_name=cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]),
+                                 config=cfg.semantic())
     for attempt in range(cfg.upload_retries + 1):
         try:
             w.upload_dir(work / "model")
+            for sub in tracked:
+                w.upload_dir(work / "tracking" / sub, sub)
             w.write_json("training_log.json", result["history"])
             m = w.commit(metrics={**metrics, **{k: v for k, v in result.items() if k != "history"}})
             break

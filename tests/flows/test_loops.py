@@ -54,6 +54,20 @@ def test_iterative_dpo_publishes_prefect_artifacts(demo_run):
     assert [r["iteration"] for r in rows] == [0, 1, 2] and all("gold_reward" in r for r in rows)
     assert f"{demo_run.run}/iter-2/dpo" in max((a for a in report if str(a.flow_run_id) == demo_run.report["flow_run_id"]),
                                                key=lambda a: a.created).data
+    # What a user watches first; timings last. The plot is inline (the UI cannot open a file:// or s3:// URL).
+    assert list(rows[0])[:5] == ["iteration", "gold_reward", "rm_reward", "kl", "response_length"]
+    assert all(c.endswith("_s") for c in list(rows[0])[-3:]) and rows[0]["kl"] == 0.0 and rows[2]["kl"] > 0
+    with get_client(sync_client=True) as client:
+        plot = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-plot"])))
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[demo_run.report["flow_run_id"]])))
+    md = max(plot, key=lambda a: a.created).data
+    assert md.startswith("![reward, KL and length per iteration](data:image/png;base64,iVBORw0KGgo")
+    import re
+
+    steps = [e.message for e in logs if re.match(r"step \d+/\d+ loss=\S+ .*tokens/s=\d+ eta=", e.message)]
+    assert len(steps) >= 4, [e.message for e in logs][:40]  # sft, train_rm and both dpo jobs log their steps
 
 
 def test_rerun_resumes_without_redoing_anything(demo_run):
@@ -101,12 +115,25 @@ def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
 
 
 def test_conditional_sft_trains_on_reward_tagged_rows_on_s3(demo_run, s3_root):
-    from flows.conditional_sft import Params, conditional_sft
+    """Scored through `rlhf-flows serve-rm` (reward_url): the flow's remote reward path."""
+    import threading
 
+    from flows.conditional_sft import Params, conditional_sft
+    from rlhf_core.serve_rm import make_server
+
+    server = make_server(demo_run.reward, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
     sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 1, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 64}
-    report = conditional_sft(Params(**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
-                                                   target_reward=1.5)))
+    try:
+        report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
+                                                          target_reward=1.5), "reward_uri": None, "reward_url": url}))
+    finally:
+        server.shutdown()
+        server.server_close()
     assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
+    scored = store.read_manifest(f"{s3_root}/csft/iter-1/score")
+    assert scored.config["remote_rm_url"] == url and all(r["rm_reward"] is not None for r in report["iterations"])
     rows = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
     assert all(" <rm_score>: " in r["input"] for r in rows)
     evald = store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist()

@@ -97,3 +97,39 @@ def test_validate_table_names_null_rows():
         data.validate_table(t, "pairs", "pairs.parquet")
     with pytest.raises(data.DataError, match=r"lacks column\(s\) \['chosen', 'rejected'\]"):
         data.validate_table(pa.table({"prompt": ["a"]}), "pairs", "x")
+
+
+def test_train_and_eval_splits_per_config_and_per_source(tmp_path):
+    """OpenRLHF's train_split / eval_split: a DatasetDict folder, split-named files, split sub-folders; a
+    folder without splits is the dataset; `uri@split` picks per source and is strict."""
+    import datasets
+    import pytest
+
+    from rlhf_core.data import DataError, load_mixture, read_rows
+
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"input": "t1"}, {"input": "t2"}]),
+                          "test": datasets.Dataset.from_list([{"input": "e1"}])}).save_to_disk(str(dd))
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "train-00000-of-00001.jsonl").write_text('{"input": "ft"}\n')
+    (files / "test.jsonl").write_text('{"input": "fe"}\n')
+    sub = tmp_path / "sub"
+    (sub / "validation").mkdir(parents=True)
+    (sub / "validation" / "a.jsonl").write_text('{"input": "sv"}\n')
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.jsonl").write_text('{"input": "p"}\n')
+
+    assert [r["input"] for r in read_rows(str(dd))] == ["t1", "t2"]
+    assert [r["input"] for r in read_rows(str(dd), split="test")] == ["e1"]
+    assert [r["input"] for r in read_rows(str(files))] == ["ft"]
+    assert [r["input"] for r in read_rows(str(files), split="test")] == ["fe"]
+    assert [r["input"] for r in read_rows(str(sub), split="validation")] == ["sv"]
+    assert [r["input"] for r in read_rows(str(plain), split="test")] == ["p"]  # no splits: the dataset itself
+    rows = load_mixture(f"{dd}@test,{files}", split="train")
+    assert [r["input"] for _, _, r in rows] == ["e1", "ft"]
+    with pytest.raises(DataError, match=r"dd: no split 'dev'; it has \['test', 'train'\]|dd: no split 'dev'; it has \['train', 'test'\]"):
+        load_mixture(f"{dd}@dev")
+    with pytest.raises(DataError, match=r"plain: no split 'test': the folder has no split-named"):
+        load_mixture(f"{plain}@test")

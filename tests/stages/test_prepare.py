@@ -57,3 +57,31 @@ def test_cli_show_prints_lineage(tmp_path, capsys):
     assert f"prepare {m.fingerprint} {out} rows=1" in text and f"source {m.inputs[0]['fingerprint']} {src}" in text
     assert main(["show", str(tmp_path / "store" / "missing")]) == 2
     assert "store/missing does not exist" in capsys.readouterr().err
+
+
+def test_samples_from_an_existing_dataset_score_and_filter_like_generated_ones(tmp_path):
+    """OpenRLHF's csft example scores the `chosen` column of a preference set: prepare kind=samples."""
+    from stages import filter as filter_stage, score
+
+    src = tmp_path / "prefs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": "meh", "id": i}) + "\n"
+                           for i, (p, c) in enumerate([("A:", " great good"), ("B:", " bad"), ("A:", " good")])))
+    m = prepare.run(prepare.Config(kind="samples", data=str(src), input_key="prompt", output_key="chosen",
+                                   label_key="id", output_uri=str(tmp_path / "samples")))
+    rows = store.read_table(m.uri).to_pylist()
+    assert [(r["prompt"], r["response"], r["sample_index"], r["label"]) for r in rows] == \
+        [("A:", " great good", 0, "0"), ("B:", " bad", 0, "1"), ("A:", " good", 1, "2")]
+    rf = tmp_path / "rf.py"
+    rf.write_text("from rlhf_core.demo_task import reward_func\n")
+    scored = score.run(score.Config(samples_uri=m.uri, reward_func_path=str(rf), output_uri=str(tmp_path / "scored")))
+    best = filter_stage.run(filter_stage.Config(scored_uri=scored.uri, method="rs", output_uri=str(tmp_path / "best")))
+    assert sorted(r["output"] for r in store.read_table(best.uri).to_pylist()) == [" bad", " great good"]
+
+
+def test_tokenizer_chat_template_replaces_the_tokenizer_s(tiny, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"m": [{"role": "user", "content": "Review of the tea:"}]}) + "\n")
+    m = prepare.run(prepare.Config(kind="prompts", data=str(src), input_key="m", apply_chat_template=True,
+                                   tokenizer_uri=tiny.policy_uri, output_uri=str(tmp_path / "out"),
+                                   tokenizer_chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>>"))
+    assert store.read_table(m.uri).to_pylist()[0]["prompt"] == "<user>Review of the tea:>>"

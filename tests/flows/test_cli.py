@@ -1,0 +1,190 @@
+"""The command line as a user meets it: every `rlhf-flows ...` line the README, the configs and the module
+docstrings show parses and validates (docs are tests), `--config` goes before or after the overrides, and
+every expected failure is one `rlhf-flows: error:` line with exit 2 (`--debug` re-raises)."""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import flows.iterative_dpo  # noqa: F401  (Prefect binds its console log to sys.stderr here: outside capsys)
+from flows import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "stages").glob("*.py")),
+        *sorted((ROOT / "flows").glob("*.py")), ROOT / "deployments" / "prefect.yaml"]
+COMMAND = re.compile(r"rlhf-flows ((?:demo|run|stage|show|serve-rm|gc)\b[^`#\n]*)")
+PLACEHOLDER = re.compile(r"^[A-Z_]+$")  # FILE, FLOW, STAGE, URI, MODEL, NAME, DIR
+
+
+def documented() -> list[tuple[str, list[str]]]:
+    """(where, argv) for every documented command line; `a | b` alternatives expanded, `[...]` dropped,
+    text after two spaces (a description column) cut."""
+    out = []
+    for f in DOCS:
+        for m in COMMAND.finditer(f.read_text()):
+            line = re.split(r"\s{2,}", re.sub(r"\[[^\]]*\]", "", m.group(1)).strip())[0]
+            groups: list[list[str]] = []
+            toks = line.split()
+            i = 0
+            while i < len(toks):
+                if toks[i] == "|":
+                    groups[-1].append(toks[i + 1])
+                    i += 2
+                else:
+                    groups.append([toks[i]])
+                    i += 1
+            out += [(f"{f.relative_to(ROOT)}: {line}", list(argv)) for argv in itertools.product(*groups)]
+    return out
+
+
+def test_docs_show_the_commands_a_user_needs():
+    lines = {" ".join(a) for _, a in documented()}
+    assert len(lines) > 20
+    for needed in ("demo", "run iterative-dpo --config configs/demo.yaml", "stage dpo", "stage prepare", "show",
+                   "serve-rm", "run raft --config configs/demo_raft.yaml"):
+        assert any(line.startswith(needed) for line in lines), needed
+
+
+@pytest.mark.parametrize("where,argv", documented(), ids=lambda x: x if isinstance(x, str) else None)
+def test_every_documented_command_parses_and_its_config_validates(where, argv):
+    """Parses (SystemExit = argparse refused it), names a real flow / stage, and, where the line is concrete,
+    its config file exists and the file + overrides validate against the flow's / stage's config."""
+    from stages.common import load_config
+
+    a = cli.parse(argv)
+    if a.cmd not in ("run", "stage") or PLACEHOLDER.match(a.name):
+        return
+    config = None if a.config is None or PLACEHOLDER.match(a.config) else ROOT / a.config
+    assert config is None or config.exists(), f"{where}: {a.config} does not exist"
+    overrides = [o for o in a.overrides if not PLACEHOLDER.match(o.split("=")[0]) and o != "key=value"]
+    if a.config and not config:  # FILE: the user's own
+        return
+    if a.cmd == "run":
+        from flows import common
+
+        mod = cli._flow_module(a.name)
+        params = load_config(mod.Params, config, overrides)
+        common.validate(params, mod.__name__.split(".")[-1], mod.checks(params))
+    else:
+        mod = cli._stage_module(a.name)
+        load_config(mod.Config, config, overrides, section=a.name)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "iterative-dpo", "--config", "c.yaml", "iterations=1", "dpo.beta=0.2"],
+    ["run", "iterative-dpo", "iterations=1", "--config", "c.yaml", "dpo.beta=0.2"],
+    ["run", "iterative-dpo", "iterations=1", "dpo.beta=0.2", "--config", "c.yaml"],
+    ["run", "--config", "c.yaml", "iterative-dpo", "iterations=1", "dpo.beta=0.2"],
+])
+def test_config_goes_before_or_after_the_overrides(argv):
+    a = cli.parse(argv)
+    assert (a.cmd, a.name, a.config, a.overrides) == ("run", "iterative-dpo", "c.yaml", ["iterations=1", "dpo.beta=0.2"])
+    s = cli.parse(["stage", "generate", "--config", "c.yaml", "backend=hf", "--debug", "iter=2"])
+    assert (s.name, s.config, s.overrides, s.debug) == ("generate", "c.yaml", ["backend=hf", "iter=2"], True)
+
+
+def test_a_stray_argument_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(["run", "raft", "--config", "c.yaml", "oops"])
+    assert e.value.code == 2 and "unrecognized arguments: oops" in capsys.readouterr().err
+
+
+def _fails(argv, capsys, message: str) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlhf-flows: error: ") and message in err and "Traceback" not in err, err
+
+
+def test_config_errors_are_one_line_and_debug_reraises(tmp_path, capsys):
+    from stages.common import ConfigError
+
+    _fails(["run", "iterative-dpo", "--config", str(tmp_path / "nope.yaml")], capsys, "nope.yaml does not exist")
+    _fails(["run", "iterative-dp", "iterations=1"], capsys, "unknown flow 'iterative-dp'; choose from iterative-dpo")
+    _fails(["stage", "dpoo", "beta=1"], capsys, "unknown stage 'dpoo'; choose from")
+    _fails(["stage", "dpo", "--config", str(ROOT / "configs" / "demo.yaml"), "beta=-1"], capsys,
+           "beta: Input should be greater than 0")
+    with pytest.raises(ConfigError):
+        cli.main(["stage", "dpoo", "--debug"])
+
+
+def test_data_errors_name_the_row_and_degenerate_pairs_are_refused(tmp_path, capsys):
+    src = tmp_path / "prefs.jsonl"
+    src.write_text('{"prompt": "p", "chosen": "good", "rejected": "bad"}\n{"prompt": "q", "chosen": "same", "rejected": "same"}\n')
+    out = tmp_path / "store" / "pairs"
+    _fails(["stage", "prepare", "kind=pairs", f"data={src}", "prompt_key=prompt", f"output_uri={out}"], capsys,
+           "prefs.jsonl row 1: 'chosen' and 'rejected' are identical ('same')")
+    assert not out.exists() or not any(out.rglob("_MANIFEST.json"))
+
+
+def test_artifact_errors_show_refuses_a_missing_or_uncommitted_prefix(tmp_path, capsys):
+    _fails(["show", str(tmp_path / "missing")], capsys, "missing does not exist")
+    partial = tmp_path / "iter-1" / "generate"
+    partial.mkdir(parents=True)
+    (partial / "samples.parquet").write_bytes(b"partial")
+    _fails(["show", str(partial)], capsys, f"{partial} is not a committed artifact (no _MANIFEST.json)")
+    _fails(["stage", "filter", f"scored_uri={partial}", "method=rs", f"output_uri={tmp_path / 'f'}"], capsys,
+           f"{partial} is not a committed artifact")
+
+
+def test_reward_and_generation_errors_are_one_line(tmp_path, capsys, tiny):
+    from rlhf_core import data, store
+
+    w = store.ArtifactWriter(str(tmp_path / "samples"), "generate", {"t": 1})
+    w.begin()
+    w.write_table("samples.parquet", data.to_table([{"prompt": "p", "response": " r", "sample_index": 0}], "samples"))
+    samples = w.commit().uri
+    rf = tmp_path / "rf.py"
+    rf.write_text("def reward_func(queries, prompts, labels):\n    raise KeyError('gold')\n")
+    _fails(["stage", "score", f"samples_uri={samples}", f"reward_func_path={rf}", f"output_uri={tmp_path / 's'}"],
+           capsys, f"reward_func in {rf} raised KeyError")
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"input": "word " * 50}) + "\n")
+    _fails(["stage", "generate", f"policy_uri={tiny.policy_uri}", f"prompts_uri={p}", "prompt_max_len=8",
+            "prompt_overflow=reject", "num_engines=0", f"output_uri={tmp_path / 'g'}"], capsys, "prompt_max_len")
+
+
+def test_cheap_documented_commands_run_end_to_end(demo_run, capsys):
+    """`stage prepare`, `stage filter` and `show` as the docs write them, on the demo run's artifacts."""
+    run = demo_run.run
+    values = {"data": f"{demo_run.inputs}/prompts.jsonl", "scored_uri": f"{run}/iter-1/score",
+              "output_uri": f"{run}/docs-check"}
+    ran = 0
+    for where, argv in documented():
+        if argv[:2] in (["stage", "prepare"], ["stage", "filter"]) and "--config" not in argv:
+            values["data"] = f"{demo_run.inputs}/{'preferences' if 'kind=samples' in argv else 'prompts'}.jsonl"
+            argv = [a if a.split("=")[0] not in values else f"{a.split('=')[0]}={values[a.split('=')[0]]}" for a in argv]
+            argv = [*argv[:-1], argv[-1]] + [f"output_uri={run}/docs-check/{argv[1]}-{ran}"]
+        elif argv[0] == "show" and argv[1].startswith("s3://bucket/rlhf/run-name"):
+            argv = ["show", argv[1].replace("s3://bucket/rlhf/run-name", run)]
+        else:
+            continue
+        assert cli.main(argv) == 0, (where, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        assert ("committed at" in out) if argv[0] == "stage" else ("lineage:" in out or "artifacts:" in out), where
+        ran += 1
+    assert ran >= 4
+
+
+def test_a_failed_stage_inside_a_flow_is_one_line_naming_stage_and_uri(prefect_harness, tiny, tmp_path, capsys):
+    from rlhf_core import demo_task
+
+    argv = ["run", "raft", f"root={tmp_path}", f"pretrain_uri={tiny.policy_uri}", f"reward_func_file={demo_task.__file__}",
+            f"prompt_data={tmp_path / 'nope.jsonl'}", "iterations=1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err  # Prefect's console log lines, then ours; no traceback anywhere
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"rlhf-flows: error: stage 'prepare' failed writing {tmp_path}/demo/prompts: "
+                                            f"FileNotFoundError: input {tmp_path / 'nope.jsonl'} does not exist")
+
+
+def test_printed_report_puts_rewards_kl_and_length_first_and_timings_last():
+    rows = [{"iteration": 0, "gold_reward": 0.0, "rm_reward": 0.2, "kl": 0.0, "response_length": 9.5, "eval_s": 1.0},
+            {"iteration": 1, "samples": 8, "dpo_loss": 0.6, "gold_reward": 0.1, "rm_reward": 0.4, "kl": 0.02,
+             "response_length": 10.0, "generate_s": 2.0, "eval_s": 1.1, "dpo_steps": 4}]
+    text = cli.format_report({"flow": "iterative-dpo", "run": "r", "stop_reason": "done", "wall_s": 1, "iterations": rows})
+    assert text.splitlines()[1].split() == ["iteration", "gold_reward", "rm_reward", "kl", "response_length", "samples",
+                                            "dpo_loss", "eval_s", "generate_s"]
