@@ -19,6 +19,7 @@ from rlhf_core import data, demo_task, store, tiny as tiny_mod
 from rlhf_core.rewards import RewardError
 from stages import ppo, sft
 from stages.common import ConfigError, load_config
+from tests.rlhf_core.test_rewards import reward_server  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = dict(reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE, generate_max_len=12,
@@ -112,12 +113,18 @@ def test_ppo_gae_raises_held_out_gold_reward(warm, tiny, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
-def test_other_estimators_run_and_move_the_policy(warm, tmp_path, estimator, monkeypatch, capsys):
-    """Two steps each; dr_grpo goes through the README's command (`rlhf-flows stage ppo --config
-    configs/ppo_demo.yaml ...`) with the batch sizes overridden."""
+def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp_path, estimator, monkeypatch,  # noqa: F811
+                                                  capsys):
+    """Two steps each, over the three reward sources: reinforce scores through a real HTTP reward server,
+    reinforce_baseline with the reward model (a Ray actor), rloo and dr_grpo with the reward_func file;
+    dr_grpo goes through the README's command (`rlhf-flows stage ppo ... --config configs/ppo_demo.yaml`)."""
     over = dict(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / estimator),
                 rollout_batch_size=32, train_batch_size=64, micro_train_batch_size=32, advantage_estimator=estimator,
                 n_samples_per_prompt=2, actor_learning_rate=1e-4, init_kl_coef=0.0, use_kl_loss=False, save_steps=0)
+    if estimator == "reinforce":
+        over.update(reward_func_path=None, remote_rm_url=reward_server[0])
+    if estimator == "reinforce_baseline":
+        over.update(reward_func_path=None, reward_model_uri=tiny.reward_uri)
     if estimator == "dr_grpo":
         from flows.cli import main
 
@@ -132,6 +139,8 @@ def test_other_estimators_run_and_move_the_policy(warm, tmp_path, estimator, mon
     assert all(h["kl"] == 0 and "kl_loss" not in h for h in log)  # no KL term: no reference started
     assert all(h["advantage_abs"] > 0 and h["policy_loss"] == h["policy_loss"] for h in log)
     assert changed_fraction(warm.policy_dir, tmp_path / estimator) > 0.9
+    if estimator == "reinforce":
+        assert sum(len(b["query"]) for b in reward_server[1]) == 32 + 2 * 64  # the probe batch (32 prompts), then 2 steps of 64 samples
 
 
 # ---------------------------------------------------------------------------------------------- bad input
