@@ -287,7 +287,7 @@ def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
                                **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32},
                                advantage_estimator="rloo", n_samples_per_prompt=2, init_kl_coef=0.0,
                                ray_address=address))
-        assert m.metrics["ray_address"] == address and m.metrics["steps_done"] == 2
+        assert m.metrics["ray_address"].endswith(f":{port}") and m.metrics["steps_done"] == 2  # that cluster's GCS
         g = generate.run(generate.Config(policy_uri=str(tmp_path / "ppo"), prompts_uri=warm.prompts, max_samples=8,
                                          input_template=demo_task.INPUT_TEMPLATE, max_new_tokens=8, num_engines=1,
                                          ray_address=address, output_uri=str(tmp_path / "samples")))
