@@ -143,6 +143,22 @@ def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp
         assert sum(len(b["query"]) for b in reward_server[1]) == 32 + 2 * 64  # the probe batch (32 prompts), then 2 steps of 64 samples
 
 
+
+@pytest.mark.slow
+def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
+    """Policy and critic as 2-rank DeepSpeed ZeRO-3 groups (gloo) on shards of each batch: the gathered full
+    weights reach the rollout engine (its log-probs equal the policy's) and both models train and save."""
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "z3"),
+                     **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32, "micro_train_batch_size": 8},
+                     advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=1, zero_stage=3,
+                     actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, actor_learning_rate=1e-4,
+                     init_kl_coef=0.01, save_value_network=True)
+    m = ppo.run(cfg)
+    log = json.loads((tmp_path / "z3" / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 2 and all(h["rollout_logprob_gap"] < 1e-3 for h in log)
+    assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9
+    assert changed_fraction(tiny.reward_dir, tmp_path / "z3" / "critic") > 0.5
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("over, message", [
     (dict(advantage_estimator="group_norm", n_samples_per_prompt=1), "group_norm needs n_samples_per_prompt >= 2"),
