@@ -168,6 +168,30 @@ def learner_settings(cfg) -> dict:
             "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
 
 
+def rollout(cfg, roles: Roles, prompt_ids: list[list[int]], idx: list[int], step: int) -> list[tuple[int, dict]]:
+    """Token in, token out: the prompts `idx` dealt over the engines, n samples each; returns (prompt index,
+    {"ids", "logprobs", "finish_reason"}) grouped by prompt (n consecutive rows per prompt), seeded by step."""
+    import ray
+
+    engines = roles.rollouts
+    shards = [idx[i::len(engines)] for i in range(len(engines))]
+    outs = ray.get([e.generate.remote([prompt_ids[i] for i in sh], cfg.n_samples_per_prompt, cfg.generate_max_len,
+                                      cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed * 100003 + step * 101 + j)
+                    for j, (e, sh) in enumerate(zip(engines, shards))])
+    by_prompt = {i: o for sh, out in zip(shards, outs) for i, o in zip(sh, out)}
+    return [(i, s) for i in idx for s in by_prompt[i]]
+
+
+def rollout_logprob_gap(samples: list[tuple[int, dict]], mask: torch.Tensor, policy_logp: torch.Tensor) -> float:
+    """Mean |rollout log-prob - policy log-prob| over the sampled tokens: ~0 when the engine holds the policy's
+    weights (a stale engine is off by nats), the signal issue 12's off-policy corrections act on."""
+    rollout_lp = torch.zeros_like(policy_logp)
+    for r, (_, s) in enumerate(samples):
+        start = int(mask[r].nonzero()[0]) if mask[r].any() else 0
+        rollout_lp[r, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
+    return float(((rollout_lp - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
+
+
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, decode, dirs: dict, reward_spec,
           work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` holds local
@@ -208,12 +232,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
             where = f"step {step + 1} (episode {episode + 1}, prompts {k * R}..{(k + 1) * R - 1} of the permutation)"
             # 1. rollout: token ids in, token ids + per-token log-probs out
             t0 = time.perf_counter()
-            shards = [idx[i::len(roles.rollouts)] for i in range(len(roles.rollouts))]
-            outs = ray.get([e.generate.remote([prompt_ids[i] for i in sh], n, cfg.generate_max_len, cfg.temperature,
-                                              cfg.top_p, cfg.top_k, cfg.seed * 100003 + step * 101 + j)
-                            for j, (e, sh) in enumerate(zip(roles.rollouts, shards))])
-            by_prompt = {i: o for sh, out in zip(shards, outs) for i, o in zip(sh, out)}
-            samples = [(i, s) for i in idx for s in by_prompt[i]]  # grouped: n consecutive rows per prompt
+            samples = rollout(cfg, roles, prompt_ids, idx, step)
             batch = collate([prompt_ids[i] for i, _ in samples], [s["ids"] for _, s in samples], pad_id)
             t_rollout = time.perf_counter() - t0
             # 2. reward (text only here), normalisation
@@ -233,7 +252,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
             old_logp = _forward(roles.policy, batch)
             values = _forward(roles.critic, batch) if roles.critic else None
             mask = batch["mask"]
-            kl = rl_math.kl_estimate(old_logp, ref_logp, cfg.kl_estimator) * mask if use_ref else torch.zeros_like(mask)
+            kl = rl_math.kl_estimate(old_logp, ref_logp, cfg.kl_estimator) * mask if use_ref else torch.zeros_like(mask)  # (B, T)
             reward_kl = 0.0 if cfg.use_kl_loss else kl_ctl.value
             clip = tuple(cfg.reward_clip_range) if cfg.reward_clip_range else None
             adv, ret = rl_math.advantages_and_returns(cfg.advantage_estimator, scores, mask, n, kl, reward_kl,
@@ -255,14 +274,10 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
             t_sync = sync_weights(roles) if actor_trained else 0.0
             seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
             kl_ctl.update(seq_kl, R * n)
-            rollout_lp = torch.zeros_like(old_logp)
-            for r, (_, s) in enumerate(samples):
-                start = int(mask[r].nonzero()[0]) if mask[r].any() else 0
-                rollout_lp[r, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
             rec = {"step": step + 1, "episode": episode + 1, "prompt_indices": idx, "reward": float(torch.tensor(raw).mean()),
                    "reward_std": float(torch.tensor(raw).std()), "kl": seq_kl, "kl_coef": kl_ctl.value,
                    "response_length": float(mask.sum(-1).mean()), "advantage_abs": float((adv.abs() * mask).sum() / mask.sum()),
-                   "rollout_logprob_gap": float(((rollout_lp - old_logp).abs() * mask).sum() / mask.sum()),
+                   "rollout_logprob_gap": rollout_logprob_gap(samples, mask, old_logp),
                    "actor_trained": actor_trained, **metrics, **{f"reward_{k}": v for k, v in extra.items()},
                    "rollout_s": t_rollout, "reward_s": t_reward, "reference_s": t_ref, "train_s": t_train,
                    "weight_sync_s": t_sync}
