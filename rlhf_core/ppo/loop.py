@@ -1,0 +1,325 @@
+"""The online-RL driver: place the roles on Ray, then per step
+    rollout (n samples per prompt, token ids + per-token log-probs) -> reward -> reference log-probs (when a
+    KL term is used) -> critic values (gae) -> old log-probs -> advantages (rl_math) -> critic and policy
+    updates (max_epochs passes, DeepSpeed) -> weight sync into the rollout engines through Ray's object store
+and every `save_steps` a checkpoint to the store (actor, critic, optimizers, schedulers, KL controller,
+reward statistics, prompt position). Every random draw is seeded from (seed, step), so a resumed run draws
+what the uninterrupted run would have drawn.
+
+Prompts are visited in a per-episode permutation, rollout_batch_size at a time (a remainder smaller than a
+batch is left out of that episode, like a drop_last data loader). `cfg` is the ppo stage's config (read by
+attribute); nothing here imports Prefect.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlhf_core import rl_math
+from rlhf_core.train import checkpoints
+
+log = logging.getLogger("rlhf_flows")
+
+
+class RolloutError(RuntimeError):
+    """A step could not build its experience (reward source failure, bad rewards); names step and batch."""
+
+
+@dataclass
+class State:
+    step: int = 0
+    kl_coef: float = 0.0
+    moments: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+
+
+def collate(prompt_ids: list[list[int]], responses: list[list[int]], pad_id: int) -> dict:
+    """prompt + response per row, right padded: ids, attn # (B, L); mask # (B, L - 1) marks the columns
+    whose target token is a response token (column t predicts token t + 1)."""
+    L = max(len(p) + len(r) for p, r in zip(prompt_ids, responses))
+    B = len(responses)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L - 1), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, responses)):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+        mask[i, len(p) - 1:len(p) - 1 + len(r)] = 1
+    return {"ids": ids, "attn": attn, "mask": mask}
+
+
+def _split(batch: dict, parts: int) -> list[dict]:
+    n = batch["ids"].shape[0] // parts
+    return [{k: v[i * n:(i + 1) * n] for k, v in batch.items()} for i in range(parts)]
+
+
+class Roles:
+    """The Ray actors of one run, on one placement group (a bundle per actor)."""
+
+    def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
+                 total_opt_steps: int, hp: dict, max_model_len: int):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlhf_core.jobs import free_port
+        from rlhf_core.ppo.roles import HFRollout, Learner, Reference, VLLMRollout
+        from rlhf_core.rewards import RMEngine, RewardSpec
+
+        cuda = torch.cuda.is_available()
+        world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+        cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
+        plan = [("policy", world), ("critic", cworld if critic_dir else 0), ("reference", 1 if ref_dir else 0),
+                ("reward", 1 if reward_model_dir else 0), ("rollout", cfg.vllm_num_engines)]
+        n_actors = sum(k for _, k in plan)
+        cpus = ray.cluster_resources().get("CPU", 1)
+        per_cpu = max(0.01, min(1.0, cpus / n_actors))  # on a small CPU host the roles share cores
+        gpu = 1 if cuda else 0
+        self.pg = placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in range(n_actors)],
+                                  strategy="PACK")
+        ray.get(self.pg.ready(), timeout=cfg.ray_timeout_s)
+        env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}}}
+        bundle = iter(range(n_actors))
+
+        def place(cls, *args, gpus=0):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=next(bundle))
+            return ray.remote(cls).options(num_cpus=per_cpu, num_gpus=gpus, scheduling_strategy=strategy,
+                                           **env).remote(*args)
+
+        self.all = []
+        self.policy = [place(Learner, "policy", r, world, gpus=gpu) for r in range(world)]
+        self.critic = [place(Learner, "critic", r, cworld, gpus=gpu) for r in range(cworld)] if critic_dir else []
+        self.reference = place(Reference, ref_dir) if ref_dir else None
+        self.reward = place(RMEngine, reward_model_dir, RewardSpec(model=reward_model_dir, max_len=hp["reward_max_len"])) \
+            if reward_model_dir else None
+        engine = (VLLMRollout, (policy_dir, max_model_len)) if cfg.rollout_backend == "vllm" else (HFRollout, (policy_dir,))
+        self.rollouts = [place(engine[0], *engine[1], gpus=gpu) for _ in range(cfg.vllm_num_engines)]
+        self.all = [*self.policy, *self.critic, *[a for a in (self.reference, self.reward) if a], *self.rollouts]
+        setups = []
+        for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
+            if group:
+                addr, port = ray.get(group[0].node_ip.remote()), free_port()
+                setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
+        ray.get(setups)
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.all:
+            ray.kill(a)
+        remove_placement_group(self.pg)
+
+
+def _forward(group: list, batch: dict) -> torch.Tensor:
+    import ray
+
+    return torch.cat(ray.get([a.forward.remote(s) for a, s in zip(group, _split(batch, len(group)))]))
+
+
+def _train(group: list, batch: dict, coef: float) -> dict:
+    import ray
+
+    parts = ray.get([a.train.remote(s, coef) for a, s in zip(group, _split(batch, len(group)))])
+    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+
+
+def sync_weights(roles: Roles) -> float:
+    """Policy rank 0's full state_dict -> Ray's object store -> every rollout engine, in place. Seconds."""
+    import ray
+
+    t0 = time.perf_counter()
+    refs = [r for part in ray.get([a.publish_weights.remote() for a in roles.policy]) for r in part]
+    ray.get([e.load_weights.remote(refs) for e in roles.rollouts])
+    return time.perf_counter() - t0
+
+
+def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: list[str], labels: list, where: str):
+    """One float per sample from the run's reward source; errors name the source and the batch."""
+    import ray
+
+    from rlhf_core.rewards import RewardError, check_finite, compute_rewards
+
+    try:
+        if roles.reward is not None:
+            out = ray.get(roles.reward.score.remote(list(zip(prompts, responses))))
+            check_finite(out, f"reward model {reward_spec.model}")
+            return out, {}
+        r = compute_rewards(reward_spec, prompts, responses, labels)
+        return r.rewards, r.extra_logs
+    except RewardError as e:
+        raise RolloutError(f"{where}: {e}") from None
+
+
+def learner_settings(cfg) -> dict:
+    """What the Learner actors read, as a plain dict (they never see the stage's config class)."""
+    low, high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
+    keys = ("seed", "bf16", "gradient_checkpointing", "actor_learning_rate", "critic_learning_rate", "adam_betas", "l2",
+            "lr_warmup_ratio", "min_lr_ratio", "train_batch_size", "micro_train_batch_size", "max_norm", "zero_stage",
+            "max_epochs", "generate_max_len", "dual_clip", "use_kl_loss", "kl_estimator", "entropy_loss_coef",
+            "value_clip", "reward_max_len")
+    return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
+            "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
+
+
+def rollout(cfg, roles: Roles, prompt_ids: list[list[int]], idx: list[int], step: int) -> list[tuple[int, dict]]:
+    """Token in, token out: the prompts `idx` dealt over the engines, n samples each; returns (prompt index,
+    {"ids", "logprobs", "finish_reason"}) grouped by prompt (n consecutive rows per prompt), seeded by step."""
+    import ray
+
+    engines = roles.rollouts
+    shards = [idx[i::len(engines)] for i in range(len(engines))]
+    outs = ray.get([e.generate.remote([prompt_ids[i] for i in sh], cfg.n_samples_per_prompt, cfg.generate_max_len,
+                                      cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed * 100003 + step * 101 + j)
+                    for j, (e, sh) in enumerate(zip(engines, shards))])
+    by_prompt = {i: o for sh, out in zip(shards, outs) for i, o in zip(sh, out)}
+    return [(i, s) for i in idx for s in by_prompt[i]]
+
+
+def rollout_logprob_gap(samples: list[tuple[int, dict]], mask: torch.Tensor, policy_logp: torch.Tensor) -> float:
+    """Mean |rollout log-prob - policy log-prob| over the sampled tokens: ~0 when the engine holds the policy's
+    weights (a stale engine is off by nats), the signal issue 12's off-policy corrections act on."""
+    rollout_lp = torch.zeros_like(policy_logp)
+    for r, (_, s) in enumerate(samples):
+        start = int(mask[r].nonzero()[0]) if mask[r].any() else 0
+        rollout_lp[r, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
+    return float(((rollout_lp - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, decode, dirs: dict, reward_spec,
+          work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None) -> dict:
+    """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` holds local
+    folders: policy, critic (gae) or None, reference (KL term) or None, reward_model or None."""
+    from rlhf_core.generation import _ray_up
+
+    R, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
+    per_episode = len(prompts) // R
+    total = cfg.num_episodes * per_episode
+    opt_steps = total * (R * n // cfg.train_batch_size) * cfg.max_epochs
+    hp = learner_settings(cfg)
+    state = State(kl_coef=cfg.init_kl_coef)
+    work.mkdir(parents=True, exist_ok=True)
+    meta = checkpoints.latest(ckpt_uri, fingerprint, storage_options)
+    started = _ray_up(cfg.ray_address)
+    roles = None
+    try:
+        import ray
+
+        roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
+                      max(len(p) for p in prompt_ids) + cfg.generate_max_len)
+        if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
+            local = checkpoints.download(meta, work / "resume", storage_options)
+            ray.get([a.load_checkpoint.remote(str(local / "actor"), meta["tag"]) for a in roles.policy] +
+                    [a.load_checkpoint.remote(str(local / "critic"), meta["tag"]) for a in roles.critic])
+            state = State(**json.loads((local / "state.json").read_text()))
+            sync_weights(roles)
+            log.info("ppo: resumed from %s at step %d of %d", meta["uri"], state.step, total)
+        resumed_from = state.step
+        kl_ctl = rl_math.KLController(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        moments = rl_math.RunningMoments(**state.moments) if state.moments else rl_math.RunningMoments()
+        use_ref = roles.reference is not None
+        for step in range(state.step, total):
+            t_step = time.perf_counter()
+            episode, k = divmod(step, per_episode)
+            order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed + episode)).tolist()
+            idx = order[k * R:(k + 1) * R]
+            where = f"step {step + 1} (episode {episode + 1}, prompts {k * R}..{(k + 1) * R - 1} of the permutation)"
+            # 1. rollout: token ids in, token ids + per-token log-probs out
+            t0 = time.perf_counter()
+            samples = rollout(cfg, roles, prompt_ids, idx, step)
+            batch = collate([prompt_ids[i] for i, _ in samples], [s["ids"] for _, s in samples], pad_id)
+            t_rollout = time.perf_counter() - t0
+            # 2. reward (text only here), normalisation
+            t0 = time.perf_counter()
+            texts = [decode(s["ids"]) for _, s in samples]
+            raw, extra = rewards_for(cfg, reward_spec, roles, [prompts[i]["prompt"] for i, _ in samples], texts,
+                                     [prompts[i].get("label") for i, _ in samples], where)
+            scores = torch.tensor(raw, dtype=torch.float32)
+            if cfg.normalize_reward:
+                moments.update(scores)
+                scores = moments.normalize(scores)
+            t_reward = time.perf_counter() - t0
+            # 3. reference, critic and policy forward passes on the same tokens
+            t0 = time.perf_counter()
+            ref_logp = _forward([roles.reference], batch) if use_ref else None
+            t_ref = time.perf_counter() - t0
+            old_logp = _forward(roles.policy, batch)
+            values = _forward(roles.critic, batch) if roles.critic else None
+            mask = batch["mask"]
+            kl = rl_math.kl_estimate(old_logp, ref_logp, cfg.kl_estimator) * mask if use_ref else torch.zeros_like(mask)  # (B, T)
+            reward_kl = 0.0 if cfg.use_kl_loss else kl_ctl.value
+            clip = tuple(cfg.reward_clip_range) if cfg.reward_clip_range else None
+            adv, ret = rl_math.advantages_and_returns(cfg.advantage_estimator, scores, mask, n, kl, reward_kl,
+                                                      cfg.gamma, cfg.lambd, values, clip)
+            exp = {**batch, "old_logp": old_logp, "adv": adv, "returns": ret}
+            if use_ref:
+                exp["ref_logp"] = ref_logp
+            if values is not None:
+                exp["old_values"] = values
+            # 4. updates: the critic every step, the policy after freezing_actor_steps
+            t0 = time.perf_counter()
+            metrics = {}
+            if roles.critic:
+                metrics.update(_train(roles.critic, exp, 0.0))
+            actor_trained = step >= cfg.freezing_actor_steps
+            if actor_trained:
+                metrics.update(_train(roles.policy, exp, kl_ctl.value))
+            t_train = time.perf_counter() - t0
+            t_sync = sync_weights(roles) if actor_trained else 0.0
+            seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
+            kl_ctl.update(seq_kl, R * n)
+            rec = {"step": step + 1, "episode": episode + 1, "prompt_indices": idx, "reward": float(torch.tensor(raw).mean()),
+                   "reward_std": float(torch.tensor(raw).std()), "kl": seq_kl, "kl_coef": kl_ctl.value,
+                   "response_length": float(mask.sum(-1).mean()), "advantage_abs": float((adv.abs() * mask).sum() / mask.sum()),
+                   "rollout_logprob_gap": rollout_logprob_gap(samples, mask, old_logp),
+                   "actor_trained": actor_trained, **metrics, **{f"reward_{k}": v for k, v in extra.items()},
+                   "rollout_s": t_rollout, "reward_s": t_reward, "reference_s": t_ref, "train_s": t_train,
+                   "weight_sync_s": t_sync}
+            if cfg.debug_step_sleep:
+                time.sleep(cfg.debug_step_sleep)
+            rec["step_s"] = time.perf_counter() - t_step
+            state.history.append(rec)
+            state.step = step + 1
+            log.info("ppo step %d/%d reward %.3f kl %.4f policy_loss %s (%.2fs)", state.step, total, rec["reward"],
+                     seq_kl, f"{metrics.get('policy_loss', float('nan')):.4f}", rec["step_s"])
+            if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < total:
+                state.kl_coef = kl_ctl.value
+                state.moments = {"mean": moments.mean, "m2": moments.m2, "count": moments.count}
+                _checkpoint(roles, state, work, ckpt_uri, fingerprint, cfg.max_ckpt_num, storage_options)
+        out_dir = work / "model"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        ray.get([a.save_model.remote(str(out_dir)) for a in roles.policy])
+        if roles.critic and cfg.save_value_network:
+            ray.get([a.save_model.remote(str(out_dir / "critic")) for a in roles.critic])
+        return {"history": state.history, "steps_done": state.step, "planned_steps": total,
+                "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value,
+                "ray_address": ray.get_runtime_context().gcs_address}
+    finally:
+        if roles is not None:
+            roles.close()
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _checkpoint(roles: Roles, state: State, work: Path, ckpt_uri: str, fingerprint: str, keep: int,
+                storage_options: dict | None) -> None:
+    import ray
+
+    tag = f"step-{state.step}"
+    local = work / "ckpt" / tag
+    shutil.rmtree(local, ignore_errors=True)
+    ray.get([a.save_checkpoint.remote(str(local / "actor"), tag) for a in roles.policy] +
+            [a.save_checkpoint.remote(str(local / "critic"), tag) for a in roles.critic])
+    (local / "state.json").write_text(json.dumps(state.__dict__))
+    checkpoints.upload(local, ckpt_uri, tag, fingerprint, {"step": state.step}, storage_options, keep_last=keep)
+    shutil.rmtree(local, ignore_errors=True)
+    log.info("ppo: checkpoint %s uploaded", tag)
+

@@ -1,0 +1,251 @@
+"""Online-RL math as pure functions: KL estimators, token rewards, the six advantage estimators, the PPO
+policy and value losses, entropy, KL controllers and running reward statistics.
+
+Shapes: B = sequences (prompts x n_samples_per_prompt, grouped: rows k*n .. k*n+n-1 share a prompt),
+T = response tokens (right padded; `mask` # (B, T) marks the action tokens). Formulas follow OpenRLHF
+(openrlhf/trainer/ppo_utils/experience_maker.py, openrlhf/models/loss.py) and the papers cited at each
+function; only the formulas carry over, not the code.
+
+Estimators (`advantage_estimator`):
+  gae                 critic values, GAE(gamma, lambda)                       PPO, arXiv:1707.06347 / 1506.02438
+  reinforce           token-level KL-penalised returns, global normalisation  REINFORCE++, arXiv:2501.03262
+  reinforce_baseline  the prompt's mean score subtracted first, then as reinforce
+  rloo                leave-one-out baseline: r_i - mean_{j != i} r_j         RLOO, arXiv:2402.14740
+  group_norm          (r_i - mean_group) / (std_group + eps)                  GRPO, arXiv:2402.03300
+  dr_grpo             r_i - mean_group, loss summed per sequence / max_len    Dr. GRPO, arXiv:2503.20783
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rlhf_core.losses import reduce_tokens
+
+Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+GROUPED = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # need n_samples_per_prompt >= 2
+GLOBALLY_NORMALISED = ("gae", "reinforce", "reinforce_baseline")  # OpenRLHF whitens these over the batch
+Aggregation = Literal["token", "sequence", "seq-sum-norm"]
+
+
+# ---------------------------------------------------------------------------------------------- KL
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman, "Approximating KL Divergence", 2020).
+    logp, ref_logp # (B, T) -> # (B, T). With d = logp - ref_logp:
+      k1 = d                         unbiased, can be negative
+      k2 = d^2 / 2                   biased, low variance
+      k3 = exp(-d) - 1 + d           unbiased, always >= 0
+    e.g. d = log 2: k1 = 0.693147, k2 = 0.240227, k3 = 0.5 - 1 + 0.693147 = 0.193147.
+    """
+    d = logp.float() - ref_logp.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return d * d / 2
+    if kind == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown kl_estimator {kind!r} (k1, k2 or k3)")
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float,
+                  clip_range: tuple[float, float] | None = None) -> torch.Tensor:
+    """The RLHF reward per token (InstructGPT arXiv:2203.02155 eq. 2, token-level as in OpenRLHF):
+    -kl_coef * kl_t on every action token, plus the (clipped) sequence score on the last action token.
+    scores # (B,), kl, mask # (B, T) -> # (B, T).
+    e.g. score 1, kl [0.1, 0.2], coef 0.5, mask [1, 1]: [-0.05, -0.1 + 1] = [-0.05, 0.9]."""
+    m = mask.float()
+    if clip_range is not None:
+        scores = scores.clamp(*clip_range)
+    last = (m.cumsum(-1) == m.sum(-1, keepdim=True)) & (m > 0)  # the last action token of each row
+    return -kl_coef * kl * m + last.float() * scores.float().unsqueeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+def shape_scores(scores: torch.Tensor, n: int, estimator: str, eps: float = 1e-9) -> torch.Tensor:
+    """Per-sequence score after the estimator's group baseline. scores # (B,) grouped by prompt, B = k * n.
+      rloo                r_i - (sum_g r - r_i) / (n - 1)
+      reinforce_baseline  r_i - mean_g r           (dr_grpo the same)
+      group_norm          (r_i - mean_g r) / (std_g r + eps), std with Bessel's correction as torch.std
+      gae, reinforce      unchanged
+    e.g. one group [1, 2, 3, 6]: mean 3 -> baseline-subtracted [-2, -1, 0, 3]; rloo: 1 - (11/3) = -2.6667,
+    2 - 10/3, 3 - 3, 6 - 2 = [-2.6667, -1.3333, 0, 4]; std = sqrt(14/3) = 2.1602 -> group_norm [-0.9258, ...]."""
+    if estimator in ("gae", "reinforce"):
+        return scores
+    if estimator not in GROUPED:
+        raise ValueError(f"unknown advantage_estimator {estimator!r}; choose one of {list(ESTIMATORS)}")
+    if n < 2 or scores.numel() % n:
+        raise ValueError(f"{estimator} needs groups of n_samples_per_prompt >= 2 samples; got {scores.numel()} "
+                         f"scores with n = {n}")
+    g = scores.float().view(-1, n)  # (prompts, n)
+    if estimator == "rloo":
+        out = g - (g.sum(-1, keepdim=True) - g) / (n - 1)
+    elif estimator == "group_norm":
+        out = (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + eps)
+    else:
+        out = g - g.mean(-1, keepdim=True)
+    return out.reshape(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over action tokens. # (B, T) -> # (B, T).
+    e.g. r [-0.05, 0.9], gamma 1: [0.85, 0.9]; gamma 0.5: [-0.05 + 0.45, 0.9] = [0.4, 0.9]."""
+    r = rewards.float() * mask
+    out = torch.zeros_like(r)
+    acc = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        acc = r[:, t] + gamma * acc
+        out[:, t] = acc
+    return out * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lambd: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al., arXiv:1506.02438 eq. 16):
+    delta_t = r_t + gamma V_{t+1} - V_t (V beyond the last action token = 0), A_t = delta_t + gamma lambda A_{t+1},
+    returns = A + V (the critic's target). rewards, values, mask # (B, T) -> (advantages, returns) # (B, T).
+    e.g. r [0, 1], V [0.5, 0.2], gamma 1, lambda 0.5: delta = [0 + 0.2 - 0.5, 1 - 0.2] = [-0.3, 0.8];
+    A = [-0.3 + 0.5 * 0.8, 0.8] = [0.1, 0.8]; returns [0.6, 1.0]."""
+    m = mask.float()
+    r, v = rewards.float() * m, values.float() * m
+    adv = torch.zeros_like(r)
+    last = torch.zeros_like(r[:, 0])
+    T = r.shape[1]
+    for t in reversed(range(T)):
+        nxt = v[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = r[:, t] + gamma * nxt - v[:, t]
+        last = delta + gamma * lambd * last
+        adv[:, t] = last
+    return adv * m, (adv + v) * m
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Global (batch) normalisation over action tokens: (x - mean) / sqrt(var + eps), population variance.
+    e.g. [1, 3] (both masked): mean 2, var 1 -> [-1, 1]."""
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def advantages_and_returns(estimator: str, scores: torch.Tensor, mask: torch.Tensor, n: int, kl: torch.Tensor,
+                           kl_coef: float, gamma: float = 1.0, lambd: float = 0.95, values: torch.Tensor | None = None,
+                           reward_clip: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """From sequence scores # (B,) and per-token KL # (B, T) to (advantages, returns) # (B, T):
+    shape_scores -> token_rewards (KL penalty in the reward when kl_coef > 0) -> GAE with the critic's values
+    (gae) or discounted returns (the rest) -> global whitening for gae / reinforce / reinforce_baseline."""
+    if reward_clip is not None:
+        scores = scores.clamp(*reward_clip)
+    r = token_rewards(shape_scores(scores, n, estimator), kl, mask, kl_coef)
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("gae needs the critic's values")
+        adv, ret = gae(r, values, mask, gamma, lambd)
+    else:
+        ret = discounted_returns(r, mask, gamma)
+        adv = ret
+    if estimator in GLOBALLY_NORMALISED:
+        adv = whiten(adv, mask)
+    return adv, ret
+
+
+# ---------------------------------------------------------------------------------------------- losses
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token", max_len: int | None = None):
+    """token / sequence: losses.reduce_tokens; seq-sum-norm (Dr. GRPO): mean over rows of sum_t values / max_len,
+    a constant normaliser so a sequence's length does not scale its tokens' weight.
+    e.g. values [[1, 2], [3, 0]], mask [[1, 1], [1, 0]], max_len 4: ((1 + 2) / 4 + 3 / 4) / 2 = 0.75."""
+    if mode == "seq-sum-norm":
+        if not max_len:
+            raise ValueError("seq-sum-norm needs max_len (the generation length)")
+        return ((values * mask.float()).sum(-1) / max_len).mean()
+    return reduce_tokens(values, mask, mode)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
+                mode: Aggregation = "token", max_len: int | None = None) -> tuple[torch.Tensor, dict]:
+    """PPO clipped surrogate (arXiv:1707.06347 eq. 7) with asymmetric clip [1 - eps_low, 1 + eps_high] (DAPO,
+    arXiv:2503.14476) and dual clip (arXiv:1912.09729): for A < 0 the loss is capped at -dual_clip * A.
+    All # (B, T); returns (scalar loss, detached metrics).
+      ratio = exp(logp - old_logp); loss_t = -min(ratio A, clip(ratio) A); dual: min(loss_t, -c A) where A < 0
+    e.g. ratio 2 (logp - old = ln 2), eps 0.2: A = 1: -min(2, 1.2) = -1.2; A = -1: -min(-2, -1.2) = 2, with
+    dual_clip 3 still 2; ratio 4, A = -1: -min(-4, -1.2) = 4 -> with dual_clip 3: 3."""
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logp - old_logp)
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.min(surr1, surr2)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    m = mask.float()
+    metrics = {"clip_ratio": reduce_tokens((surr2 < surr1).float(), m).detach(),
+               "ratio": reduce_tokens(ratio.detach(), m)}
+    return aggregate(loss, m, mode, max_len), metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = None, mode: Aggregation = "token") -> torch.Tensor:
+    """0.5 * (V - R)^2, or with value_clip c: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
+    All # (B, T) -> scalar. e.g. V 1.0, V_old 0.5, R 0.0, c 0.2: max(1.0, 0.49) / 2 = 0.5; R 2.0:
+    max(1.0, (0.7 - 2)^2 = 1.69) / 2 = 0.845."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.max(loss, (clipped - returns) ** 2)
+    return 0.5 * aggregate(loss, mask, "token" if mode == "seq-sum-norm" else mode)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution, -sum_v p log p. logits # (B, T, V) -> # (B, T).
+    e.g. uniform over 4: ln 4 = 1.386294."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------- controllers
+@dataclass
+class KLController:
+    """kl_coef for the reward. Fixed when kl_target is None; otherwise adaptive (Ziegler et al.,
+    arXiv:1909.08593 sec. 2.2): e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_steps / horizon.
+    e.g. coef 0.1, target 1, horizon 10, KL 2, 5 steps: e = 0.2, coef = 0.1 * (1 + 0.2 * 0.5) = 0.11."""
+
+    value: float
+    target: float | None = None
+    horizon: int = 10000
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.target is None:
+            return
+        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + err * n_steps / self.horizon
+
+
+@dataclass
+class RunningMoments:
+    """Running mean / std of rewards over every batch seen (Chan et al. parallel update), for normalize_reward:
+    r' = (r - mean) / std. e.g. batches [1, 3] then [5]: count 3, mean 3, population var (4 + 0 + 4) / 3 = 8/3,
+    std (Bessel) sqrt(8 / 2) = 2."""
+
+    mean: float = 0.0
+    m2: float = 0.0  # sum of squared deviations
+    count: int = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.double().reshape(-1)
+        n, mean = x.numel(), x.mean().item()
+        m2 = ((x - mean) ** 2).sum().item()
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / (self.std + 1e-8)

