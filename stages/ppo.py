@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, rl_math, store
+from rlhf_core import data, models, rl_math, store
 from rlhf_core.generation import model_input
 from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards
 from rlhf_core.train import checkpoints
@@ -147,30 +147,31 @@ def load_prompts(cfg: Config, tok) -> tuple[list[dict], list[list[int]], int]:
                                                   cfg.storage_options), fmt, tok)
     if len(rows) < cfg.rollout_batch_size:
         raise data.DataError(f"{cfg.prompts_uri}: {len(rows)} prompts, fewer than rollout_batch_size {cfg.rollout_batch_size}")
-    ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
+    bos = models.adds_bos(tok)
+    ids = [models.prompt_ids(tok, r["prompt"], bos) for r in rows]  # one BOS where the tokenizer uses one
     cut = sum(len(x) > cfg.prompt_max_len for x in ids)
     return rows, [x[-cfg.prompt_max_len:] for x in ids], cut
 
 
 def run(cfg: Config) -> store.Manifest:
-    from transformers import AutoTokenizer
-
     from rlhf_core.ppo import loop
 
     # 1. lineage, and the skip
     critic_src = cfg.critic_uri or (cfg.reward_model_uri if cfg.advantage_estimator == "gae" else None)
-    inputs = {"policy": store.source_manifest(cfg.policy_uri, cfg.storage_options),
+    inputs = {"policy": store.model_manifest(cfg.policy_uri, cfg.storage_options),
               "prompts": store.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
-    for name, uri in (("reward_model", cfg.reward_model_uri), ("reward_func", cfg.reward_func_path), ("critic", critic_src)):
+    for name, uri in (("reward_model", cfg.reward_model_uri), ("critic", critic_src)):
         if uri:
-            inputs[name] = store.source_manifest(uri, cfg.storage_options)
+            inputs[name] = store.model_manifest(uri, cfg.storage_options)
+    if cfg.reward_func_path:
+        inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "ppo", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
 
     # 2. every input checked before Ray starts
     policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
-    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)
     rows, prompt_ids, truncated = load_prompts(cfg, tok)
     dirs = {"policy": str(policy_dir), "reference": str(policy_dir) if cfg.init_kl_coef > 0 else None,
             "critic": None, "reward_model": None}
@@ -182,7 +183,7 @@ def run(cfg: Config) -> store.Manifest:
         if check_reward_model(dirs["critic"]) != "seq_cls":
             raise ConfigError(f"critic {critic_src} must be a *ForSequenceClassification model (its score head "
                               f"becomes the value head)")
-        if tokenizer_id(ctok := AutoTokenizer.from_pretrained(dirs["critic"])) != tokenizer_id(tok):
+        if tokenizer_id(ctok := models.load_tokenizer(dirs["critic"], where=critic_src)) != tokenizer_id(tok):
             raise ConfigError(f"critic {critic_src} uses a different tokenizer than policy {cfg.policy_uri} "
                               f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")
     spec = RewardSpec(model=dirs["reward_model"], func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
@@ -195,12 +196,12 @@ def run(cfg: Config) -> store.Manifest:
             raise RewardError(f"{e} (probe before training: the first {len(probe)} prompts with empty responses)") from None
 
     # 3. train on Ray (resuming from the store's latest checkpoint), then commit
-    w.begin(keep=("checkpoints",))
+    w.begin()  # checkpoints/ is kept: a rerun resumes from it
     work = store.cache_root() / "ppo" / w.fingerprint
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
-    result = loop.train(cfg, rows, prompt_ids, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir),
                         lambda ids: tok.decode(ids, skip_special_tokens=True), dirs, spec, work, ckpt_uri, w.fingerprint,
                         cfg.storage_options)
     if result["steps_done"] != result["planned_steps"]:

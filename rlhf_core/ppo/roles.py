@@ -193,11 +193,12 @@ class HFRollout:
     def __init__(self, model_dir: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from rlhf_core import models
+
         tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
+        self.pad_id = models.pad_id(tok, model_dir)
+        self.eos_ids = set(models.eos_ids(tok, model_dir))  # the whole EOS list (Llama-3 stops on <|eot_id|>)
         self.updates = 0
 
     @torch.no_grad()
