@@ -178,7 +178,7 @@ def show(uri: str) -> str:
 
 
 def gc(uri: str, keep: int) -> str:
-    """`rlhf-flows gc`: prune old versions of the artifact at `uri`, or of every artifact under it."""
+    """The `gc` command: prune old versions of the artifact at `uri`, or of every artifact under it."""
     fs, path = store.filesystem(uri.rstrip("/"))
     arts = [uri.rstrip("/") + p[len(path):-len(store.MANIFEST) - 1] for p in sorted(fs.find(path))
             if p.endswith("/" + store.MANIFEST) and f"/{store.VERSIONS}/" not in p]

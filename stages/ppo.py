@@ -12,7 +12,7 @@ Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in
 actor's process, weights reloaded in place). Left out: a torch.distributed weight-sync group (weights go
 through Ray's object store), agents, async training, dynamic sampling and hybrid placement (issue 12).
 
-    rlhf-flows stage ppo --config configs/ppo.yaml advantage_estimator=group_norm n_samples_per_prompt=4
+    rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
 """
 from __future__ import annotations

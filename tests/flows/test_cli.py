@@ -25,7 +25,8 @@ def documented() -> list[tuple[str, list[str]]]:
     text after two spaces (a description column) cut."""
     out = []
     for f in DOCS:
-        for m in COMMAND.finditer(f.read_text()):
+        text = re.sub(r"\s*\\\n\s*(#\s*)?", " ", f.read_text())  # a shell line continued with a backslash is one command
+        for m in COMMAND.finditer(text):
             line = re.split(r"\s{2,}", re.sub(r"\[[^\]]*\]", "", m.group(1)).strip())[0]
             groups: list[list[str]] = []
             toks = line.split()
@@ -37,6 +38,7 @@ def documented() -> list[tuple[str, list[str]]]:
                 else:
                     groups.append([toks[i]])
                     i += 1
+            groups = [["1"] if g == ["N"] else g for g in groups if g != ["..."]]  # N: a number; ...: elided
             out += [(f"{f.relative_to(ROOT)}: {line}", list(argv)) for argv in itertools.product(*groups)]
     return out
 
