@@ -37,8 +37,8 @@ def test_dead_engine_and_stalled_engine_fail_naming_the_stage(local_ray):
                                                          r"\(\w+\); nothing was committed, rerun to resume"):
         generation.run_engines(Flaky, (), "run", ["ok", "die"], {}, num_engines=2, what="generate (hf)")
     t0 = time.time()
-    with pytest.raises(generation.GenerationError, match=r"score: no engine finished its shard for 3s \([12] of 2 still "
-                                                         r"running\): stalled"):
+    with pytest.raises(generation.GenerationError, match=r"score: no engine finished a chunk for 3s \([12] of 2 chunks "
+                                                         r"still running\): stalled"):
         generation.run_engines(Flaky, (), "run", ["ok", "hang"], {}, num_engines=2, stall_timeout_s=3, what="score")
     assert time.time() - t0 < 60
     # the rerun: fresh actors, results in item order
