@@ -153,13 +153,13 @@ def test_cheap_documented_commands_run_end_to_end(demo_run, capsys):
     """`stage prepare`, `stage filter` and `show` as the docs write them, on the demo run's artifacts."""
     run = demo_run.run
     values = {"data": f"{demo_run.inputs}/prompts.jsonl", "scored_uri": f"{run}/iter-1/score",
-              "output_uri": f"{run}/docs-check"}
+              "output_uri": f"{run}-docs-check"}  # beside the run: its own artifacts stay as the demo made them
     ran = 0
     for where, argv in documented():
         if argv[:2] in (["stage", "prepare"], ["stage", "filter"]) and "--config" not in argv:
             values["data"] = f"{demo_run.inputs}/{'preferences' if 'kind=samples' in argv else 'prompts'}.jsonl"
             argv = [a if a.split("=")[0] not in values else f"{a.split('=')[0]}={values[a.split('=')[0]]}" for a in argv]
-            argv = [*argv[:-1], argv[-1]] + [f"output_uri={run}/docs-check/{argv[1]}-{ran}"]
+            argv = [*argv[:-1], argv[-1]] + [f"output_uri={run}-docs-check/{argv[1]}-{ran}"]
         elif argv[0] == "show" and argv[1].startswith("s3://bucket/rlhf/run-name"):
             argv = ["show", argv[1].replace("s3://bucket/rlhf/run-name", run)]
         else:

@@ -22,7 +22,7 @@ def _eval(tiny, prompts, out, reference):
 
 def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny, eval_prompts, tmp_path):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     same = _eval(tiny, eval_prompts, tmp_path / "same", tiny.policy_uri)
     assert same.metrics["kl"] == 0.0
@@ -30,10 +30,12 @@ def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny, eval
     assert len(rows) == 12 and all(r["kl"] == 0.0 for r in rows)
     assert same.metrics["response_tokens_mean"] == pytest.approx(sum(r["response_tokens"] for r in rows) / 12)
 
-    model = AutoModelForCausalLM.from_pretrained(str(store.fetch_model(tiny.policy_uri)))
+    policy_dir = store.fetch_model(tiny.policy_uri)
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir))
     with torch.no_grad():
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight), alpha=0.5)
-    model.save_pretrained(tmp_path / "other")  # a plain HF folder as the reference
+    model.save_pretrained(tmp_path / "other")  # a plain HF folder (model + tokenizer) as the reference
+    AutoTokenizer.from_pretrained(str(policy_dir)).save_pretrained(tmp_path / "other")
     other = _eval(tiny, eval_prompts, tmp_path / "other-eval", str(tmp_path / "other"))
     assert other.metrics["kl"] > 0.05
     assert {i["name"] for i in other.inputs} >= {"policy", "prompts", "reference"}
