@@ -46,6 +46,13 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
 
 
+def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] per row: logits # (N, V), tokens # (N,) -> # (N,), in fp32
+    (logit - logsumexp, without materializing the (N, V) log-probs)."""
+    logits = logits.float()
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
 def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Summed log-prob of the response tokens: sum_t logp_t * mask_t. # (B, T) -> # (B,)  (DPO's log pi(y|x))."""
     return (token_logps * mask.to(token_logps.dtype)).sum(-1)

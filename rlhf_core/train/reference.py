@@ -5,8 +5,8 @@ It runs where training runs and in the training dtype, so that at DPO's step 0 p
 (implied margin 0): as a job under the training stages' launcher (`python -m rlhf_core.train.reference
 SPEC.json` under deepspeed / torchrun; with zero_stage 3 DeepSpeed shards the weights over the ranks, each
 rank forwards every world-th batch and rank 0 gathers), or `inline` in this process on its one device (GPU
-if there is one). The forward is the training forward (rlhf_core.train.entry.forward): same collation,
-same padding or packing, same log-prob code.
+if there is one). The forward is the training forward (rlhf_core.train.entry.forward): same collation
+(a pair's prompt forwarded once), same padding or packing, same log-prob code.
 
     python -m rlhf_core.train.reference SPEC.json     (started by `compute`, never by hand)
 """
@@ -24,7 +24,7 @@ import torch
 from rlhf_core.train.batches import seq_len
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def pair_logps(forward, records: list[dict], batch_size: int, rank: int = 0, world: int = 1) -> dict[int, tuple]:
     """{record index: (chosen, rejected)} for this rank's batches (batches sorted by length; rank r takes
     batches r, r + world, ...). Every rank runs the same number of forwards (ZeRO-3 gathers weights
@@ -53,7 +53,7 @@ def _load(spec: dict, device: str):
 def _spec_forward(model, spec: dict):
     from rlhf_core.train.entry import forward
 
-    return lambda seqs, starts: forward(model, spec, seqs, starts, spec["pad_id"])[0]
+    return lambda seqs, starts: forward(model, spec, seqs, starts, spec["pad_id"], pairs=True)[0]
 
 
 def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
