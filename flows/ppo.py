@@ -37,11 +37,14 @@ WIRED = ("policy_uri", "prompts_uri", "output_uri", "reward_model_uri", "reward_
 
 
 def checks(p: Params) -> dict:
-    """The flow's own stages and their settings, validated before any work (a reward source stands in)."""
+    """The flow's own stages and their settings, validated before any work (the reward source the flow will
+    wire in stands in)."""
     if (wired := [k for k in WIRED if k in p.ppo]):
         raise ConfigError(f"ppo: {', '.join(f'ppo.{k}' for k in wired)} is set by the flow (pretrain_uri, prompt_data, "
                           f"reward_uri / reward_func_file / reward_url, root, storage_options): remove it")
-    return {ppo_stage: {"reward_func_path": "placeholder://", **p.ppo}}
+    source = ("reward_func_path" if p.reward_func_file else "remote_rm_url" if p.reward_url
+              else "reward_model_uri")  # given or trained by train_rm
+    return {ppo_stage: {source: "placeholder://", **p.ppo}}
 
 
 def iteration_settings(p: Params, k: int) -> dict:
