@@ -272,6 +272,11 @@ class RolloutFeed:
         if self.thread is not None:
             self.permits.release()
 
+    def halt(self) -> None:
+        """No new rollout starts (call before the engines go away)."""
+        if self.thread is not None:
+            self.stop.set()
+
     def close(self) -> None:
         if self.thread is not None:
             self.stop.set()
@@ -395,7 +400,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
                 "ray_address": ray.get_runtime_context().gcs_address}
     finally:
         if feed is not None:
-            feed.stop.set() if feed.thread else None
+            feed.halt()
         if roles is not None:
             roles.close()  # a rollout in flight fails fast once its engine is gone
         if feed is not None:
