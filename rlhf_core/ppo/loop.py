@@ -59,8 +59,36 @@ def _split(batch: dict, parts: int) -> list[dict]:
     return [{k: v[i * n:(i + 1) * n] for k, v in batch.items()} for i in range(parts)]
 
 
+def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
+    """(role, placement-group bundle) for every actor, in the order Roles creates them: policy ranks, critic
+    ranks, reference, reward, rollout engines. Each actor gets its own bundle, except (OpenRLHF's flags):
+    colocate_all_models puts critic rank i, the reference, the reward model and engine j on policy rank
+    (i or j) mod world's bundle (the hybrid engine); colocate_actor_ref puts the reference on policy rank 0's
+    bundle; colocate_critic_reward puts the reward model on critic rank 0's bundle."""
+    plan = [(f"policy{r}", r) for r in range(world)]
+    nxt = world
+
+    def add(name: str, shared: int | None) -> None:
+        nonlocal nxt
+        if shared is None:
+            shared, nxt = nxt, nxt + 1
+        plan.append((name, shared))
+
+    every = cfg.colocate_all_models
+    for r in range(cworld):
+        add(f"critic{r}", r % world if every else None)
+    if reference:
+        add("reference", 0 if every or cfg.colocate_actor_ref else None)
+    if reward:
+        critic0 = dict(plan).get("critic0")
+        add("reward", 0 if every else critic0 if cfg.colocate_critic_reward and critic0 is not None else None)
+    for j in range(cfg.vllm_num_engines):
+        add(f"rollout{j}", j % world if every else None)
+    return plan
+
+
 class Roles:
-    """The Ray actors of one run, on one placement group (a bundle per actor)."""
+    """The Ray actors of one run, on one placement group (bundles as bundle_plan says)."""
 
     def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
                  total_opt_steps: int, hp: dict, max_model_len: int):
@@ -75,22 +103,23 @@ class Roles:
         cuda = torch.cuda.is_available()
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
-        plan = [("policy", world), ("critic", cworld if critic_dir else 0), ("reference", 1 if ref_dir else 0),
-                ("reward", 1 if reward_model_dir else 0), ("rollout", cfg.vllm_num_engines)]
-        n_actors = sum(k for _, k in plan)
+        self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
+        n_bundles = 1 + max(b for _, b in self.plan)
+        share = [sum(b == i for _, b in self.plan) for i in range(n_bundles)]
         cpus = ray.cluster_resources().get("CPU", 1)
-        per_cpu = max(0.01, min(1.0, cpus / n_actors))  # on a small CPU host the roles share cores
+        per_cpu = max(0.01, min(1.0, cpus / n_bundles))  # on a small CPU host the roles share cores
         gpu = 1 if cuda else 0
-        self.pg = placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in range(n_actors)],
+        self.pg = placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in range(n_bundles)],
                                   strategy="PACK")
         ray.get(self.pg.ready(), timeout=cfg.ray_timeout_s)
         env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}}}
-        bundle = iter(range(n_actors))
+        slots = iter(self.plan)
 
         def place(cls, *args, gpus=0):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=next(bundle))
-            return ray.remote(cls).options(num_cpus=per_cpu, num_gpus=gpus, scheduling_strategy=strategy,
-                                           **env).remote(*args)
+            _, b = next(slots)  # actors sharing a bundle split its CPU (and GPU) evenly
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b)
+            return ray.remote(cls).options(num_cpus=per_cpu / share[b], num_gpus=gpus / share[b] if gpus else 0,
+                                           scheduling_strategy=strategy, **env).remote(*args)
 
         self.all = []
         self.policy = [place(Learner, "policy", r, world, gpus=gpu) for r in range(world)]
@@ -192,6 +221,68 @@ def rollout_logprob_gap(samples: list[tuple[int, dict]], mask: torch.Tensor, pol
     return float(((rollout_lp - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 
+class RolloutFeed:
+    """Rollouts in step order. Sync (async_train off): `get(step)` generates step's batch now, with the weights
+    of every update so far. Async (OpenRLHF's --async_train): a thread generates ahead into a queue while the
+    driver trains, so the rollout of step k+1 overlaps training on step k; rollout j starts only once update
+    j - 1 - async_queue_size has been synced to the engines (`synced(step)`), so a batch is generated with
+    weights at most async_queue_size updates old (per engine: an engine takes new weights between generate
+    calls). Seeds depend on the step only, so a resumed run draws what the uninterrupted run would have."""
+
+    def __init__(self, cfg, roles, prompt_ids: list[list[int]], steps: list[tuple[int, list[int]]]):
+        import queue
+        import threading
+
+        self.cfg, self.roles, self.prompt_ids, self.steps = cfg, roles, prompt_ids, steps
+        self.thread = None
+        if cfg.async_train and steps:
+            self.queue = queue.Queue()
+            self.permits = threading.Semaphore(cfg.async_queue_size + 1)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._produce, name="ppo-rollout", daemon=True)
+            self.thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for step, idx in self.steps:
+                while not self.permits.acquire(timeout=0.2):
+                    if self.stop.is_set():
+                        return
+                if self.stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                out = rollout(self.cfg, self.roles, self.prompt_ids, idx, step)
+                self.queue.put((step, out, time.perf_counter() - t0))
+        except BaseException as e:  # the driver re-raises it at its next get
+            self.queue.put((None, e, 0.0))
+
+    def get(self, step: int, idx: list[int]) -> tuple[list[tuple[int, dict]], float]:
+        """Step's samples and the seconds the driver waited for them (async: only what training did not hide)."""
+        t0 = time.perf_counter()
+        if self.thread is None:
+            return rollout(self.cfg, self.roles, self.prompt_ids, idx, step), time.perf_counter() - t0
+        got, out, _ = self.queue.get()
+        if got is None:
+            raise out
+        assert got == step, f"rollout queue out of order: step {got} for {step}"
+        return out, time.perf_counter() - t0
+
+    def synced(self, step: int) -> None:
+        """Update `step` reached the engines: one more rollout may start."""
+        if self.thread is not None:
+            self.permits.release()
+
+    def halt(self) -> None:
+        """No new rollout starts (call before the engines go away)."""
+        if self.thread is not None:
+            self.stop.set()
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join(timeout=60)
+
+
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, decode, dirs: dict, reward_spec,
           work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` holds local
@@ -207,7 +298,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
     work.mkdir(parents=True, exist_ok=True)
     meta = checkpoints.latest(ckpt_uri, fingerprint, storage_options)
     started = _ray_up(cfg.ray_address)
-    roles = None
+    roles = feed = None
     try:
         import ray
 
@@ -224,15 +315,21 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
         kl_ctl = rl_math.KLController(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
         moments = rl_math.RunningMoments(**state.moments) if state.moments else rl_math.RunningMoments()
         use_ref = roles.reference is not None
+
+        def prompts_of(step: int) -> list[int]:
+            episode, k = divmod(step, per_episode)
+            order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed + episode)).tolist()
+            return order[k * R:(k + 1) * R]
+
+        feed = RolloutFeed(cfg, roles, prompt_ids, [(s, prompts_of(s)) for s in range(state.step, total)])
         for step in range(state.step, total):
             t_step = time.perf_counter()
             episode, k = divmod(step, per_episode)
-            order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed + episode)).tolist()
-            idx = order[k * R:(k + 1) * R]
+            idx = prompts_of(step)
             where = f"step {step + 1} (episode {episode + 1}, prompts {k * R}..{(k + 1) * R - 1} of the permutation)"
-            # 1. rollout: token ids in, token ids + per-token log-probs out
+            # 1. rollout: token ids in, token ids + per-token log-probs out (async: generated ahead)
             t0 = time.perf_counter()
-            samples = rollout(cfg, roles, prompt_ids, idx, step)
+            samples, _ = feed.get(step, idx)
             batch = collate([prompt_ids[i] for i, _ in samples], [s["ids"] for _, s in samples], pad_id)
             t_rollout = time.perf_counter() - t0
             # 2. reward (text only here), normalisation
@@ -272,6 +369,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
                 metrics.update(_train(roles.policy, exp, kl_ctl.value))
             t_train = time.perf_counter() - t0
             t_sync = sync_weights(roles) if actor_trained else 0.0
+            feed.synced(step)
             seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
             kl_ctl.update(seq_kl, R * n)
             rec = {"step": step + 1, "episode": episode + 1, "prompt_indices": idx, "reward": float(torch.tensor(raw).mean()),
@@ -298,11 +396,15 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
         if roles.critic and cfg.save_value_network:
             ray.get([a.save_model.remote(str(out_dir / "critic")) for a in roles.critic])
         return {"history": state.history, "steps_done": state.step, "planned_steps": total,
-                "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value,
+                "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
                 "ray_address": ray.get_runtime_context().gcs_address}
     finally:
+        if feed is not None:
+            feed.halt()
         if roles is not None:
-            roles.close()
+            roles.close()  # a rollout in flight fails fast once its engine is gone
+        if feed is not None:
+            feed.close()
         if started:
             import ray
 

@@ -47,7 +47,7 @@ def test_docs_show_the_commands_a_user_needs():
     lines = {" ".join(a) for _, a in documented()}
     assert len(lines) > 20
     for needed in ("demo", "run iterative-dpo --config configs/demo.yaml", "stage dpo", "stage prepare", "show",
-                   "serve-rm", "run raft --config configs/demo_raft.yaml"):
+                   "serve-rm", "run raft --config configs/demo_raft.yaml", "run ppo --config configs/demo_ppo.yaml"):
         assert any(line.startswith(needed) for line in lines), needed
 
 

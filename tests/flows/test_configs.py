@@ -19,13 +19,19 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # Which flow each shipped config is for (its header's `rlhf-flows run FLOW` / `rlhf-flows demo` line); a new
 # file must be added here.
 FLOW_OF = {"demo.yaml": "iterative-dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional-sft",
-           "iterative_dpo_llama3_8b.yaml": "iterative-dpo", "raft_llama3_8b.yaml": "raft"}
+           "iterative_dpo_llama3_8b.yaml": "iterative-dpo", "raft_llama3_8b.yaml": "raft",
+           "ppo_llama3_8b.yaml": "ppo", "reinforce_baseline_llama3_8b_hybrid.yaml": "ppo"}
+# The ppo demo runs whole in tests/flows/test_ppo_flow.py, not scaled down here.
+RUN_ELSEWHERE = {"demo_ppo.yaml": "ppo"}
 SECTIONS = {"prepare": "prepare", "sft": "sft", "train_rm": "train_rm", "generate": "generate", "score": "score",
-            "filter": "filter", "eval": "eval", "reference": "reference", "dpo": "dpo", "sft_loop": "sft"}
+            "filter": "filter", "eval": "eval", "reference": "reference", "dpo": "dpo", "sft_loop": "sft", "ppo": "ppo"}
 SMALL = {"max_len": 64, "prompt_max_len": 32, "max_new_tokens": 8, "train_batch_size": 2, "micro_train_batch_size": 2,
          "num_gpus": 1, "num_nodes": 1, "num_engines": 0, "tensor_parallel_size": 1, "rollout_batch_size": 8,
          "batch_size": 4, "best_of_n": 2, "backend": "hf", "max_epochs": 1, "samples_per_prompt": 2,
          "launcher": "python"}
+SMALL_PPO = {"generate_max_len": 8, "max_samples": 8, "n_samples_per_prompt": 2, "actor_num_gpus_per_node": 1,
+             "critic_num_gpus_per_node": 1, "vllm_num_engines": 1, "rollout_backend": "hf", "reward_max_len": 64,
+             "save_steps": 0}  # one step of one rollout engine (HF on CPU), one rank per group
 
 
 def scaled_down(raw: dict, params_cls) -> dict:
@@ -35,7 +41,8 @@ def scaled_down(raw: dict, params_cls) -> dict:
         if section not in params_cls.model_fields:
             continue
         fields = importlib.import_module(f"stages.{stage}").Config.model_fields
-        out[section] = {**raw.get(section, {}), **{k: v for k, v in SMALL.items() if k in fields}}
+        small = {**SMALL, **SMALL_PPO} if section == "ppo" else SMALL
+        out[section] = {**raw.get(section, {}), **{k: v for k, v in small.items() if k in fields}}
     return out
 
 
@@ -58,7 +65,7 @@ STAGE_OF = {"ppo_demo.yaml": "ppo"}
 
 
 def test_every_config_file_has_a_flow_or_a_stage():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted({**FLOW_OF, **STAGE_OF})
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted({**FLOW_OF, **STAGE_OF, **RUN_ELSEWHERE})
 
 
 @pytest.mark.slow
@@ -80,8 +87,8 @@ def test_config_runs_its_flow_scaled_down_on_plain_folders(name, plain_inputs, m
     fs, path = store.filesystem(f"{run}/report.json")
     report = json.loads(fs.cat_file(path))
     assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
-    last = {"iterative-dpo": "dpo", "raft": "sft", "conditional-sft": "sft"}[flow]
+    last = {"iterative-dpo": "dpo", "raft": "sft", "conditional-sft": "sft", "ppo": "ppo"}[flow]
     trained = store.read_manifest(f"{run}/iter-1/{last}")
     assert trained.metrics["steps_done"] == trained.metrics["planned_steps"] >= 1
-    gen = store.read_manifest(f"{run}/iter-1/generate")
+    gen = store.read_manifest(f"{run}/iter-1/{'ppo' if flow == 'ppo' else 'generate'}")
     assert {i["name"]: i["stage"] for i in gen.inputs}["policy"] == "source"  # the plain folder, by content hash

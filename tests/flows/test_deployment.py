@@ -41,10 +41,13 @@ def test_deploy_all_and_run_iterative_dpo_through_a_process_worker(demo_run, tmp
         prefect("work-pool", "create", "rlhf-cpu", "--type", "process")
         prefect("work-pool", "create", "rlhf-gpu-docker", "--type", "docker")
         out = prefect("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-        for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo", "iterative-dpo/gpu"):
+        for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo", "iterative-dpo/gpu",
+                     "ppo/demo", "ppo/nightly"):
             assert f"Deployment '{name}' successfully created" in out, name
         nightly = prefect("deployment", "inspect", "iterative-dpo/nightly")
         assert "0 3 * * *" in nightly and "'active': False" in nightly  # scheduled retraining, paused by default
+        nightly = prefect("deployment", "inspect", "ppo/nightly")
+        assert "30 3 * * *" in nightly and "'active': False" in nightly
 
         procs.append(subprocess.Popen([str(bindir / "prefect"), "worker", "start", "--pool", "rlhf-cpu", "--limit", "1"],
                                       env=env, cwd=tmp_path, stdout=open(tmp_path / "worker.log", "w"),

@@ -22,12 +22,12 @@ from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifest
 pytestmark = pytest.mark.slow
 
 
-def _start(cfg: Path, tmp_path: Path, marker: str) -> subprocess.Popen:
+def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo") -> subprocess.Popen:
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), RLHF_TEST_MARKER=marker,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
     env.pop("PREFECT_API_URL", None)  # the harness's API belongs to the test process: use an ephemeral one
     exe = Path(sys.executable).parent / "rlhf-flows"
-    return subprocess.Popen([str(exe), "run", "iterative-dpo", "--config", str(cfg)], env=env, start_new_session=True,
+    return subprocess.Popen([str(exe), "run", flow, "--config", str(cfg)], env=env, start_new_session=True,
                             stdout=open(tmp_path / f"run-{marker[-4:]}.log", "w"), stderr=subprocess.STDOUT)
 
 

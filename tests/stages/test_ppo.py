@@ -159,6 +159,42 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9
     assert changed_fraction(tiny.reward_dir, tmp_path / "z3" / "critic") > 0.5
 
+@pytest.mark.slow
+def test_async_grpo_learns_on_stale_rollouts_with_the_reference_beside_the_actor(warm, tmp_path):
+    """async_train: the rollout of step k+1 is generated while step k trains, so it carries weights one update
+    old (the rollout log-prob gap is no longer ~0), and the run still completes every step and learns."""
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "async"), **BASE,
+                     advantage_estimator="group_norm", n_samples_per_prompt=4, actor_learning_rate=5e-4,
+                     init_kl_coef=0.01, use_kl_loss=True, kl_estimator="k3", async_train=True, async_queue_size=1,
+                     colocate_actor_ref=True)
+    m = ppo.run(cfg)
+    before, after = held_out_gold(warm.policy_dir), held_out_gold(tmp_path / "async")
+    log = json.loads(Path(cfg.output_uri, "training_log.json").read_text())
+    print("async grpo held-out gold", before, "->", after, "gap", [round(h["rollout_logprob_gap"], 4) for h in log])
+    assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 8 and [h["step"] for h in log] == list(range(1, 9))
+    assert sorted(i for h in log for i in h["prompt_indices"]) == list(range(64))
+    assert log[0]["rollout_logprob_gap"] < 1e-3 and max(h["rollout_logprob_gap"] for h in log[1:]) > 1e-3
+    assert after > before + 0.1
+    placement = m.metrics["placement"]
+    assert placement["reference"] == placement["policy0"] and len(set(placement.values())) == 2  # + the engine
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({}, {"policy0": 0, "policy1": 1, "critic0": 2, "critic1": 3, "reference": 4, "reward": 5, "rollout0": 6, "rollout1": 7}),
+    ({"colocate_actor_ref": True, "colocate_critic_reward": True},
+     {"policy0": 0, "policy1": 1, "critic0": 2, "critic1": 3, "reference": 0, "reward": 2, "rollout0": 4, "rollout1": 5}),
+    ({"colocate_all_models": True},
+     {"policy0": 0, "policy1": 1, "critic0": 0, "critic1": 1, "reference": 0, "reward": 0, "rollout0": 0, "rollout1": 1}),
+])
+def test_colocation_flags_share_placement_group_bundles(flags, expected):
+    from rlhf_core.ppo.loop import bundle_plan
+
+    cfg = ppo.Config(policy_uri="p", prompts_uri="q", output_uri="o", reward_model_uri="rm", vllm_num_engines=2, **flags)
+    assert dict(bundle_plan(cfg, 2, 2, True, True)) == expected
+    assert bundle_plan(cfg, 2, 0, False, False)[-2:] == [("rollout0", 0 if flags.get("colocate_all_models") else 2),
+                                                         ("rollout1", 1 if flags.get("colocate_all_models") else 3)]
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("over, message", [
     (dict(advantage_estimator="group_norm", n_samples_per_prompt=1), "group_norm needs n_samples_per_prompt >= 2"),
@@ -172,6 +208,9 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     (dict(micro_train_batch_size=3, train_batch_size=8, rollout_batch_size=8), "not divisible by micro_train_batch_size"),
     (dict(eps_clip=0), "eps_clip"),
     (dict(eps_clip=-0.1), "eps_clip"),
+    (dict(async_train=True, colocate_all_models=True), "async_train cannot be used with colocate_all_models"),
+    (dict(vllm_enable_sleep=True), "vllm_enable_sleep: not supported"),
+    (dict(deepspeed_enable_sleep=True), "deepspeed_enable_sleep: not supported"),
 ])
 def test_bad_config_is_refused_by_name(over, message, tmp_path):
     base = dict(policy_uri="p", prompts_uri="q", output_uri=str(tmp_path / "out"), reward_func_path=demo_task.__file__,
