@@ -3,6 +3,7 @@ reward rises, reruns skip, changes rerun only what they affect."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,9 @@ from rlhf_core import demo_task, store
 from tests.flows.flowkit import demo_params, manifests
 
 pytestmark = pytest.mark.slow
+
+DEMO_CSFT = Path(__file__).resolve().parents[2] / "configs" / "demo_csft.yaml"
+MARGIN = 0.1  # gold reward, best bucket minus worst bucket, final policy
 
 
 def test_iterative_dpo_raises_gold_reward_on_s3(demo_run):
@@ -114,27 +118,39 @@ def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
     assert len(prompts) == len(set(prompts)) == 64  # rs keeps exactly one response per prompt
 
 
-def test_conditional_sft_trains_on_reward_tagged_rows_on_s3(demo_run, s3_root):
-    """Scored through `rlhf-flows serve-rm` (reward_url): the flow's remote reward path."""
+def test_conditional_sft_learns_and_follows_its_condition_on_s3(demo_run, s3_root):
+    """configs/demo_csft.yaml's loop (reward-bucket conditions, 3 iterations) from the demo's SFT policy and
+    reward model, scored through `rlhf-flows serve-rm` (reward_url: the flows' remote reward path). Under the
+    best bucket the held-out gold reward rises every iteration, and the final policy under the best bucket
+    beats itself under the worst by a clear margin: it learnt what the condition means."""
     import threading
+
+    import yaml
 
     from flows.conditional_sft import Params, conditional_sft
     from rlhf_core.serve_rm import make_server
+    from tests.flows.flowkit import DEMO
 
+    csft = yaml.safe_load(DEMO_CSFT.read_text())
     server = make_server(demo_run.reward, port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
-    sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 1, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 64}
+    over = {k: csft[k] for k in ("iterations", "target_reward", "low_target_reward", "generate", "filter", "sft_loop", "eval")}
+    assert csft["sft"] == DEMO["sft"] and csft["train_rm"] == DEMO["train_rm"]  # the demo run's policy and RM are csft's
     try:
-        report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
-                                                          target_reward=1.5), "reward_uri": None, "reward_url": url}))
+        report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", **over),
+                                           "reward_uri": None, "reward_url": url}))
     finally:
         server.shutdown()
         server.server_close()
-    assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
-    scored = store.read_manifest(f"{s3_root}/csft/iter-1/score")
-    assert scored.config["remote_rm_url"] == url and all(r["rm_reward"] is not None for r in report["iterations"])
-    rows = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
-    assert all(" <rm_score>: " in r["input"] for r in rows)
-    evald = store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist()
-    assert all(r["prompt"].endswith(" <rm_score>: 1.50 ") for r in evald)
+    rows = report["iterations"]
+    assert report["stop_reason"] == "completed all iterations" and len(rows) == 4
+    gold, low = [r["gold_reward"] for r in rows], [r.get("gold_reward_low") for r in rows]
+    print("csft gold (best bucket):", gold, "worst bucket:", low)
+    assert gold[0] < gold[1] < gold[2] < gold[3], gold
+    assert gold[3] - low[3] > MARGIN, (gold, low)
+    assert store.read_manifest(f"{s3_root}/csft/iter-1/score").config["remote_rm_url"] == url
+    tags = {r["input"].rsplit(" <rm_score>: ", 1)[1] for r in store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()}
+    assert tags == {"0 ", "1 ", "2 ", "3 ", "4 "}
+    assert all(r["prompt"].endswith(" <rm_score>: 4 ") for r in store.read_table(f"{s3_root}/csft/iter-3/eval").to_pylist())
+    assert all(r["prompt"].endswith(" <rm_score>: 0 ") for r in store.read_table(f"{s3_root}/csft/iter-3/eval_low").to_pylist())
