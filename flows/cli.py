@@ -22,10 +22,10 @@ import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
+from flows import table
 from rlhf_core import store
 
-FLOWS = {"iterative-dpo": "flows.iterative_dpo", "raft": "flows.raft", "conditional-sft": "flows.conditional_sft",
-         "ppo": "flows.ppo"}
+FLOWS = {name: spec.module for name, spec in table.FLOWS.items()}  # flows/table.py
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 

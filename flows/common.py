@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from flows import table
 from flows.runtime import Report, call, run_lock, use_credentials  # noqa: F401  (the flows use them through this module)
 from rlhf_core import store
 from stages.common import ConfigError
@@ -125,21 +126,21 @@ def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
 
 
 def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
-    """Every stage config the flow will build is valid (errors name `stage.field`); placeholder URIs stand
-    in for the ones the loop wires in. `checks`: the flow's own stages -> their settings."""
-    x = "placeholder://"
+    """Every stage config the flow will build is valid (errors name `stage.field`): the shared stages from
+    their LoopParams fields, the flow's own stages (flows/table.py) from `checks` (stage module -> its
+    settings). Placeholder URIs stand in for the inputs the loop wires in."""
     if len(given := [f for f in ("reward_uri", "reward_func_file", "reward_url") if getattr(p, f)]) > 1:
         raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
-    stage_config(_stage("prepare"), {"kind": "prompts", **p.prepare}, data=x, output_uri=x)
-    stage_config(_stage("generate"), p.generate, policy_uri=x, prompts_uri=x, output_uri=x)
-    stage_config(_stage("score"), p.score, samples_uri=x, reward_model_uri=x, output_uri=x)
-    stage_config(_stage("filter"), {"method": "rs", **p.filter}, scored_uri=x, output_uri=x)
-    stage_config(_stage("eval"), p.eval, policy_uri=x, prompts_uri=x, reward_model_uri=x, output_uri=x)
-    stage_config(_stage("sft"), p.sft, policy_uri=x, dataset_uri=x, output_uri=x)
-    stage_config(_stage("train_rm"), p.train_rm, base_uri=x, dataset_uri=x, output_uri=x)
-    for module, base in (checks or {}).items():
-        stage_config(module, base, **{f: x for f, info in module.Config.model_fields.items()
-                                      if f.endswith("_uri") and info.is_required()})
+    own = [(module, base) for module, base in (checks or {}).items()]
+    for module, base in [(_stage(n), {**table.FIXED.get(n, {}), **getattr(p, n)}) for n in table.SHARED] + own:
+        name = module.__name__.rsplit(".", 1)[-1]
+        stage_config(module, base, **{f: "placeholder://" for f, info in module.Config.model_fields.items()
+                                      if (info.is_required() or f in table.WIRED.get(name, ())) and f not in base})
+    spec = table.FLOWS.get(flow_name)
+    missing = [s for s in (spec.iteration if spec else ()) if s not in table.SHARED
+               and s not in {m.__name__.rsplit(".", 1)[-1] for m, _ in own}]
+    if missing:  # a flow whose table entry and checks() disagree: a bug, said before any work
+        raise ConfigError(f"{flow_name}: stages {missing} of flows/table.py are not in the flow's checks()")
     if not p.demo:
         missing = [f for f in ("pretrain_uri", "prompt_data") if not getattr(p, f)]
         if not (p.reward_uri or p.reward_func_file or p.reward_url or p.preference_data):
@@ -158,9 +159,8 @@ def prepare_inputs(p: LoopParams, run: dict):
     prompt_data, eval_data = p.prompt_data or d.get("prompts"), p.eval_prompt_data or d.get("eval_prompts")
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
     gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
-    per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5, "ppo": 2}[run["flow"]]  # stage calls, eval included
     planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file or p.reward_url))
-               + p.iterations * per_iteration)
+               + p.iterations * table.calls_per_iteration(run["flow"], p))
     report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
                     tracking={"tensorboard": p.use_tensorboard, "wandb": p.use_wandb, "project": p.wandb_project})
 
@@ -253,6 +253,12 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward", "kl")})
         row["response_length"] = em["metrics"].get("response_tokens_mean")
         by_stage["eval"] = em
+        for name, settings in report.eval_variants.items():  # e.g. conditional SFT under its low condition
+            vm = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, storage_options=p.storage_options,
+                                            output_uri=store.run_prefix(p.root, p.run_name, f"eval_{name}", k),
+                                            **{**report.eval_cfg, **settings}))
+            row.update({f"{key}_{name}": vm["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
+            by_stage[f"eval_{name}"] = vm
     row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
     report.add(row, {f"iter-{k}/{s}": m["uri"] for s, m in by_stage.items()} | {f"iter-{k}/policy": policy})
     return row

@@ -3,26 +3,40 @@ former examples/scripts/train_conditional_llama.sh, as a resumable flow).
 
     for k in 1..iterations:
         generate responses from policy_k on prompt slice k and score them with the reward model
-        csft: "{input} <rm_score>: {reward} " -> SFT rows (rewards optionally normalised globally)
+        csft: "{input} <rm_score>: {reward} " -> SFT rows (rewards optionally normalised globally, or
+              bucketed by rank in the batch: filter.reward_buckets)
         sft(policy_k) on those rows -> policy_{k+1}
-        evaluate with the high-reward condition appended to the held-out prompts
+        evaluate with the high-reward condition appended to the held-out prompts (and the low one, if set)
 
     rlhf-flows run conditional-sft --config configs/demo_csft.yaml
 """
 from __future__ import annotations
 
 from prefect import flow
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flows import common
 from flows.common import call, stage_config
-from rlhf_core import store
+from rlhf_core import postprocess, store
 from stages import filter as filter_stage, sft
 
 
 class Params(common.LoopParams):
-    target_reward: float = Field(1.0, description="Reward written into the condition at evaluation time.")
+    target_reward: float = Field(1.0, description="Condition written into the held-out prompts at evaluation: a reward, "
+                                 "or with filter.reward_buckets = N a bucket index (N-1 = the best).")
+    low_target_reward: float | None = Field(None, description="Also evaluate every iteration under this low condition "
+                                            "(report columns gold_reward_low, rm_reward_low): the policy follows its "
+                                            "condition when the high target beats it.")
     sft_loop: dict = Field(default_factory=dict, description="SFT settings of the conditional fine-tune.")
+
+    @model_validator(mode="after")
+    def _targets_are_buckets(self):
+        n = self.filter.get("reward_buckets", 0)
+        for name in ("target_reward", "low_target_reward"):
+            t = getattr(self, name)
+            if n and t is not None and not (t == int(t) and 0 <= t < n):
+                raise ValueError(f"{name}={t:g}: with filter.reward_buckets={n} the condition is a bucket index 0..{n - 1}")
+        return self
 
 
 def checks(p: Params) -> dict:
@@ -38,7 +52,11 @@ def conditional_sft(params: Params) -> dict:
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         # Evaluate under the condition the policy learnt to follow: the high target reward.
         template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)
-        report.eval_cfg["prompt_template"] = template.replace("{input}", "{prompt}").replace("{reward}", f"{p.target_reward:.2f}")
+        condition = lambda t: template.replace("{input}", "{prompt}").replace(  # noqa: E731
+            "{reward}", postprocess.csft_condition(t, p.filter.get("reward_buckets", 0)))
+        report.eval_cfg["prompt_template"] = condition(p.target_reward)
+        if p.low_target_reward is not None:
+            report.eval_variants["low"] = {"prompt_template": condition(p.low_target_reward), "reference_uri": None}
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             samples, scored = common.rollout(p, k, policy, prompts, reward)

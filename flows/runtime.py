@@ -362,6 +362,7 @@ class Report:
         self.stop_reason = "running"
         self.started = time.time()
         self.eval_cfg: dict = {}
+        self.eval_variants: dict[str, dict] = {}  # name -> eval settings of a second evaluation (columns *_{name})
         self.png = b""
 
     def add(self, row: dict, links: dict[str, str] | None = None) -> None:
@@ -475,7 +476,7 @@ class Report:
 
 
 # What a user watches first (gold / RM reward, KL, length), then the loop's own numbers; stage timings last.
-FIRST = ("iteration", "gold_reward", "rm_reward", "kl", "response_length", "samples", "kept", "ties_dropped",
+FIRST = ("iteration", "gold_reward", "gold_reward_low", "rm_reward", "rm_reward_low", "kl", "response_length", "samples", "kept", "ties_dropped",
          "train_rm_reward")
 
 

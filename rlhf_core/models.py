@@ -13,9 +13,11 @@ on a list of EOS ids (generation_config.json `eos_token_id: [...]`), chat templa
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
+from rlhf_core import store
 from rlhf_core.store import ModelInputError
 
 
@@ -82,3 +84,48 @@ def prompt_ids(tok, text: str, bos: bool | None = None) -> list[int]:
     if (adds_bos(tok) if bos is None else bos) and (not ids or ids[0] != tok.bos_token_id):
         ids = [tok.bos_token_id] + ids
     return ids
+
+
+# ---------------------------------------------------------------------------------------------- LoRA adapters
+ADAPTER_DIR = "adapter"  # where training saves a LoRA adapter inside a model artifact
+
+
+def adapter_only(files: list[str]) -> bool:
+    """An artifact trained with LoRA and `lora_merge=false`: adapter/ holds the adapter, the root no weights."""
+    root_weights = any("/" not in f and any(fnmatch.fnmatch(f, pat) for pat in store.WEIGHTS) for f in files)
+    return f"{ADAPTER_DIR}/adapter_config.json" in files and not root_weights
+
+
+def merge_adapter(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Path, bf16: bool = False,
+                  rm_stats: dict | None = None) -> bool:
+    """Write base + LoRA adapter (`artifact_dir/adapter`) as a plain HF folder in `out_dir`: every adapted
+    weight becomes W + (alpha / r) * B @ A (LoRA, arXiv:2106.09685; peft's merge_and_unload). A reward
+    model's adapter (peft task SEQ_CLS, OpenRLHF lora_combiner --is_rm) merges into a one-label
+    sequence-classification base, with train_rm's reward_mean / reward_std (from `rm_stats`, the artifact's
+    metrics: the adapter alone does not carry the config training would have written) in its config. Tokenizer files come from the artifact's root (training saved them there), else the base's.
+    Returns whether the model is a reward model."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    artifact_dir, out_dir = Path(artifact_dir), Path(out_dir)
+    task = json.loads((artifact_dir / ADAPTER_DIR / "adapter_config.json").read_text()).get("task_type")
+    is_rm = task == "SEQ_CLS"
+    auto = AutoModelForSequenceClassification if is_rm else AutoModelForCausalLM
+    base = auto.from_pretrained(str(base_dir), dtype=torch.float32, **({"num_labels": 1} if is_rm else {}))
+    model = PeftModel.from_pretrained(base, str(artifact_dir / ADAPTER_DIR)).merge_and_unload()
+    if is_rm and rm_stats and rm_stats.get("reward_mean") is not None and rm_stats.get("reward_std") is not None:
+        model.config.reward_mean, model.config.reward_std = rm_stats["reward_mean"], rm_stats["reward_std"]
+    model.to(torch.bfloat16 if bf16 else torch.float32).save_pretrained(str(out_dir), safe_serialization=True)
+    own = [p for p in artifact_dir.iterdir() if p.is_file() and p.name in store.TOKENIZER_FILES + TOKENIZER_EXTRA]
+    if any(p.name in store.TOKENIZER_FILES for p in own):
+        for p in own:
+            shutil.copy(p, out_dir / p.name)
+    else:
+        AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
+    return is_rm
+
+
+TOKENIZER_EXTRA = ("special_tokens_map.json", "chat_template.jinja", "merges.txt", "added_tokens.json")

@@ -9,7 +9,8 @@ first row. Facts taken from OpenRLHF (its code is not copied):
             dropped and counted: they give zero-gradient pairs.
   csft      conditional_sft_processor (arXiv:2308.12050): optional global normalisation
             (r - mean) / std with the unbiased std as torch.std computes it, then the template
-            "{input} <rm_score>: {reward} " with the reward at 2 decimals.
+            "{input} <rm_score>: {reward} " with the reward at 2 decimals. Here also `buckets`: the
+            reward's rank bucket in the batch (0 = worst) as the condition.
   dynamic   PPO's dynamic filtering: keep a prompt's group only when its mean reward lies strictly inside
             (min_reward, max_reward) (OpenRLHF --dynamic_filtering_reward_range).
 """
@@ -123,16 +124,45 @@ def normalize(rewards: list[float]) -> list[float]:
     return [(r - mean) / std for r in rewards]
 
 
-def conditional_sft(rows: list[dict], normalize_rewards: bool = False, template: str = DEFAULT_CSFT_TEMPLATE) -> list[dict]:
-    """SFT rows {input: template(prompt, reward at 2 decimals), output: response, reward} for every row.
+def reward_buckets(rewards: list[float], buckets: int) -> list[int]:
+    """Each reward's bucket 0..buckets-1 by its rank in the batch (equal-count buckets; equal rewards share the
+    bucket of their mean rank): the condition says "how good among what this policy produced", a single
+    token the model can attend to, where a 2-decimal number is 4-5 digit tokens whose magnitude a tiny
+    model barely reads. Example: [0.1, 0.9, 0.5, 0.5], 2 buckets -> ranks 0, 3, 1.5, 1.5 -> [0, 1, 0, 0]."""
+    if buckets < 2:
+        raise FilterError(f"reward buckets must be >= 2, got {buckets}")
+    order = sorted(range(len(rewards)), key=lambda i: rewards[i])
+    rank = [0.0] * len(rewards)
+    i = 0
+    while i < len(order):  # ties: every member gets the mean of their ranks
+        j = i
+        while j + 1 < len(order) and rewards[order[j + 1]] == rewards[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            rank[k] = (i + j) / 2
+        i = j + 1
+    return [min(buckets - 1, int(r * buckets / len(rewards))) for r in rank]
+
+
+def csft_condition(reward: float, buckets: int = 0) -> str:
+    """The text of a condition: a bucket index with buckets, else the reward at 2 decimals (OpenRLHF)."""
+    return str(int(reward)) if buckets else f"{reward:.2f}"
+
+
+def conditional_sft(rows: list[dict], normalize_rewards: bool = False, template: str = DEFAULT_CSFT_TEMPLATE,
+                    buckets: int = 0) -> list[dict]:
+    """SFT rows {input: template(prompt, condition), output: response, reward} for every row; the condition
+    is the reward at 2 decimals (optionally normalised first), or with `buckets` its rank bucket.
     Example: prompt "Q", reward 0.456 -> input "Q <rm_score>: 0.46 "."""
     if "{input}" not in template or "{reward}" not in template:
         raise FilterError(f"csft template {template!r} must contain {{input}} and {{reward}}")
     rewards = [float(r["reward"]) for r in rows]
-    if normalize_rewards:
+    if buckets:
+        rewards = [float(b) for b in reward_buckets(rewards, buckets)]
+    elif normalize_rewards:
         rewards = normalize(rewards)
     # str.replace, not format(): prompts may contain braces
-    return [{"input": template.replace("{reward}", f"{rw:.2f}").replace("{input}", r["prompt"]),
+    return [{"input": template.replace("{reward}", csft_condition(rw, buckets)).replace("{input}", r["prompt"]),
              "output": r["response"], "reward": rw, **finished(r)} for r, rw in zip(rows, rewards)]
 
 

@@ -592,15 +592,25 @@ def model_manifest(uri: str, storage_options: dict | None = None) -> Manifest:
 
 
 def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tuple[str, ...] | None = None,
-                manifest: Manifest | None = None) -> Path:
+                manifest: Manifest | None = None, merge: bool = True) -> Path:
     """A local directory holding the model at `uri` (a committed artifact or a plain HF folder), downloaded
     once per machine into a cache keyed by content: a plain folder's content hash, or a committed
     artifact's fingerprint + created_at + file list (a rewritten artifact gets a new entry). Local inputs are
-    used in place."""
+    used in place. This is where every stage gets its models, so an adapter-only artifact (LoRA trained
+    with `lora_merge=false`) is merged here into the base its lineage names (`merge=False`: its raw files)."""
     m = manifest or model_manifest(uri, storage_options)
     stages = (stage,) if isinstance(stage, str) else stage
     if stages and m.stage != "source" and m.stage not in stages:
         raise StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")
+    local = _fetch_files(uri, m, storage_options)
+    from rlhf_core import models
+
+    if merge and m.stage != "source" and models.adapter_only([f["path"] for f in m.files]):
+        return _merged_model(uri, local, m, storage_options)
+    return local
+
+
+def _fetch_files(uri: str, m: Manifest, storage_options: dict | None) -> Path:
     fs, path = filesystem(uri, storage_options)
     if isinstance(fs, LocalFileSystem):
         return Path(path)
@@ -617,10 +627,58 @@ def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tupl
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(join(path, f["path"]), str(target))
         (tmp / MANIFEST).write_text(m.to_json())
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process won the race: use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        _publish(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def adapter_base(m: Manifest, storage_options: dict | None = None) -> Manifest:
+    """The model an adapter-only artifact was trained from: its lineage's `policy` (sft, dpo) or `base`
+    (train_rm) input, at the version the adapter was trained on (a changed base is kept under _versions/)."""
+    src = next((i for i in m.inputs if i["name"] in ("policy", "base")), None)
+    if src is None:
+        raise ModelInputError(f"{m.uri}: its adapter's lineage names no base model (inputs: "
+                              f"{', '.join(i['name'] for i in m.inputs) or 'none'}): merge it with "
+                              f"`rlhf-flows stage lora_combine model_uri={m.uri} base_uri=... output_uri=...`")
+    if src["stage"] == "source":
+        base = model_manifest(src["uri"], storage_options)
+        if base.fingerprint != src["fingerprint"]:
+            raise ModelInputError(f"{m.uri}: its base model folder {src['uri']} changed since the adapter was trained "
+                                  f"on it: merge it with `rlhf-flows stage lora_combine base_uri=...` naming that base")
+        return base
+    try:
+        return read_version(src["uri"], src["fingerprint"], storage_options)
+    except (NotCommittedError, FileNotFoundError):
+        raise ModelInputError(f"{m.uri}: the base model its adapter was trained on ({src['uri']}, fingerprint "
+                              f"{src['fingerprint']}) is no longer in the store") from None
+
+
+def _merged_model(uri: str, artifact_dir: Path, m: Manifest, storage_options: dict | None) -> Path:
+    """Base + adapter merged once per machine into the cache, keyed by the artifact and its base."""
+    from rlhf_core import models
+
+    base = adapter_base(m, storage_options)
+    key = "merged-" + hashlib.sha256(json.dumps([m.fingerprint, m.created_at, m.files, base.fingerprint],
+                                                sort_keys=True).encode()).hexdigest()[:24]
+    dest = cache_root() / "models" / key
+    if (dest / MANIFEST).exists():
+        return dest
+    base_dir = fetch_model(base.uri, storage_options, manifest=base)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
+    try:
+        models.merge_adapter(base_dir, artifact_dir, tmp, rm_stats=m.metrics)
+        (tmp / MANIFEST).write_text(m.to_json())
+        _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -2,14 +2,15 @@
 
   rs        best-of-n rejection sampling (RAFT): top_k highest-reward responses per prompt -> `sft` rows
   iter_dpo  per prompt max vs min reward -> `pairs` rows; ties and single-sample prompts dropped, counted
-  csft      conditional SFT: "{input} <rm_score>: {reward} " (optionally normalised rewards) -> `sft` rows
+  csft      conditional SFT: "{input} <rm_score>: {reward} " (optionally normalised rewards, or with
+            reward_buckets the reward's rank bucket in the batch) -> `sft` rows
 Optionally first keeps only prompts whose mean reward lies inside (min_reward, max_reward) (dynamic filtering).
 
     rlhf-flows stage filter scored_uri=... method=iter_dpo output_uri=...
 """
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core import data, store
 from rlhf_core import postprocess as pp
@@ -26,6 +27,8 @@ class Config(StageConfig):
     max_reward: float | None = Field(None, description="Keep prompts whose mean reward is < max_reward.")
     normalize_reward: bool = Field(False, description="csft: normalise rewards over all rows before the template.")
     csft_template: str = Field(pp.DEFAULT_CSFT_TEMPLATE, description="csft: template with {input} and {reward}.")
+    reward_buckets: int = Field(0, ge=0, description="csft: >= 2: the condition is the reward's rank bucket in the batch "
+                                "(0 = worst .. N-1 = best) instead of the reward at 2 decimals (normalize_reward then has no effect).")
 
     @field_validator("method")
     @classmethod
@@ -33,6 +36,14 @@ class Config(StageConfig):
         if v not in METHODS:
             raise ValueError(f"unknown post-processor {v!r}; choose one of {list(METHODS)}")
         return v
+
+    @model_validator(mode="after")
+    def _buckets(self):
+        if self.reward_buckets == 1:
+            raise ValueError("reward_buckets must be 0 (off) or >= 2")
+        if self.reward_buckets and self.normalize_reward:
+            raise ValueError("reward_buckets ranks the rewards, so normalize_reward has no effect: set one of them")
+        return self
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -63,7 +74,7 @@ def run(cfg: Config) -> store.Manifest:
     elif cfg.method == "iter_dpo":
         out, kind = pp.dpo_pairs(kept, stats), "pairs"
     else:
-        out, kind = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template), "sft"
+        out, kind = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template, cfg.reward_buckets), "sft"
     if not out:
         raise data.DataError(f"{cfg.scored_uri}: {cfg.method} kept no rows ({len(rows)} in, "
                              f"{stats.dropped_range} outside the reward range, {stats.dropped_empty} empty responses, "

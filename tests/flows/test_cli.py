@@ -190,3 +190,25 @@ def test_printed_report_puts_rewards_kl_and_length_first_and_timings_last():
     text = cli.format_report({"flow": "iterative-dpo", "run": "r", "stop_reason": "done", "wall_s": 1, "iterations": rows})
     assert text.splitlines()[1].split() == ["iteration", "gold_reward", "rm_reward", "kl", "response_length", "samples",
                                             "dpo_loss", "eval_s", "generate_s"]
+
+
+def test_the_flow_table_names_every_flow_and_its_stages(monkeypatch):
+    """flows/table.py is what the CLI lists, what validation checks and what the progress bar counts: each
+    entry's module holds the flow of that name; each stage it names exists and is validated; a stage the
+    table names but the flow's checks() leave out is refused before any work."""
+    from flows import common, table
+    from stages.common import ConfigError
+
+    assert cli.FLOWS == {name: spec.module for name, spec in table.FLOWS.items()}
+    for name, spec in table.FLOWS.items():
+        mod = cli._flow_module(name)
+        assert mod.FLOW.name == name and all(s in cli.STAGES for s in spec.iteration), name
+        params = mod.Params(demo=True)
+        common.validate(params, name, mod.checks(params))
+    csft = cli._flow_module("conditional-sft")
+    assert table.calls_per_iteration("conditional-sft", csft.Params(demo=True)) == 5
+    assert table.calls_per_iteration("conditional-sft", csft.Params(demo=True, low_target_reward=0.0)) == 6
+    monkeypatch.setitem(table.FLOWS, "raft", table.FlowSpec("flows.raft", ("generate", "score", "filter", "dpo", "eval")))
+    raft = cli._flow_module("raft")
+    with pytest.raises(ConfigError, match=r"raft: stages \['dpo'\] of flows/table.py are not in the flow's checks"):
+        common.validate(raft.Params(demo=True), "raft", raft.checks(raft.Params(demo=True)))

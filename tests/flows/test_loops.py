@@ -3,6 +3,7 @@ reward rises, reruns skip, changes rerun only what they affect."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,8 @@ from rlhf_core import demo_task, store
 from tests.flows.flowkit import demo_params, manifests
 
 pytestmark = pytest.mark.slow
+
+DEMO_CSFT = Path(__file__).resolve().parents[2] / "configs" / "demo_csft.yaml"
 
 
 def test_iterative_dpo_raises_gold_reward_on_s3(demo_run):
@@ -114,27 +117,42 @@ def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
     assert len(prompts) == len(set(prompts)) == 64  # rs keeps exactly one response per prompt
 
 
-def test_conditional_sft_trains_on_reward_tagged_rows_on_s3(demo_run, s3_root):
-    """Scored through `rlhf-flows serve-rm` (reward_url): the flow's remote reward path."""
+def test_conditional_sft_trains_on_reward_buckets_and_evaluates_both_targets_on_s3(demo_run, s3_root):
+    """configs/demo_csft.yaml's loop (reward-bucket conditions, one iteration here) from the demo's SFT policy
+    and reward model, scored through `rlhf-flows serve-rm` (reward_url: the flows' remote reward path): every
+    sample is trained on under its rank bucket in the batch, and the policy is evaluated under the best
+    bucket (gold_reward) and the worst (gold_reward_low). That it learns to follow the condition is not
+    shown yet (README: measured numbers)."""
     import threading
+
+    import yaml
 
     from flows.conditional_sft import Params, conditional_sft
     from rlhf_core.serve_rm import make_server
+    from tests.flows.flowkit import DEMO
 
+    csft = yaml.safe_load(DEMO_CSFT.read_text())
     server = make_server(demo_run.reward, port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
-    sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 1, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 64}
+    over = {k: csft[k] for k in ("target_reward", "low_target_reward", "generate", "filter", "eval")}
+    sft_loop = {**csft["sft_loop"], "max_epochs": 1}
+    assert csft["sft"] == DEMO["sft"] and csft["train_rm"] == DEMO["train_rm"]  # the demo run's policy and RM are csft's
     try:
         report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", iterations=1, sft_loop=sft_loop,
-                                                          target_reward=1.5), "reward_uri": None, "reward_url": url}))
+                                                          **over), "reward_uri": None, "reward_url": url}))
     finally:
         server.shutdown()
         server.server_close()
-    assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
-    scored = store.read_manifest(f"{s3_root}/csft/iter-1/score")
-    assert scored.config["remote_rm_url"] == url and all(r["rm_reward"] is not None for r in report["iterations"])
-    rows = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
-    assert all(" <rm_score>: " in r["input"] for r in rows)
-    evald = store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist()
-    assert all(r["prompt"].endswith(" <rm_score>: 1.50 ") for r in evald)
+    rows = report["iterations"]
+    assert report["stop_reason"] == "completed all iterations" and len(rows) == 2
+    assert rows[1]["gold_reward"] is not None and rows[1]["gold_reward_low"] is not None and rows[1]["rm_reward_low"] is not None
+    assert store.read_manifest(f"{s3_root}/csft/iter-1/score").config["remote_rm_url"] == url
+    trained = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
+    tags = [r["input"].rsplit(" <rm_score>: ", 1)[1] for r in trained]
+    assert sorted(set(tags)) == ["0 ", "1 ", "2 ", "3 ", "4 "]
+    assert rows[1]["kept"] == len(trained) > 0.9 * rows[1]["samples"]  # every sample (but empty ones), not the best only
+    by_tag = {t: [r["reward"] for r, tt in zip(trained, tags) if tt == t] for t in set(tags)}
+    assert max(map(len, by_tag.values())) - min(map(len, by_tag.values())) <= 2  # equal-count buckets
+    assert all(r["prompt"].endswith(" <rm_score>: 4 ") for r in store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist())
+    assert all(r["prompt"].endswith(" <rm_score>: 0 ") for r in store.read_table(f"{s3_root}/csft/iter-1/eval_low").to_pylist())

@@ -54,6 +54,18 @@ def test_conditional_sft_template_two_decimals_and_normalisation():
         pp.conditional_sft(rows({"a": [1.0]}), template="{input} only")
 
 
+def test_reward_buckets_rank_the_batch_and_keep_ties_together():
+    """10 distinct rewards, 5 buckets -> two per bucket; [0.1, 0.9, 0.5, 0.5] in 2 buckets: ranks 0, 3, 1.5,
+    1.5 -> 1.5 * 2 / 4 = 0.75 -> both 0.5s in bucket 0, 0.9 in bucket 1."""
+    assert pp.reward_buckets([9.0, 0.0, 8.0, 1.0, 7.0, 2.0, 6.0, 3.0, 5.0, 4.0], 5) == [4, 0, 4, 0, 3, 1, 3, 1, 2, 2]
+    assert pp.reward_buckets([0.1, 0.9, 0.5, 0.5], 2) == [0, 1, 0, 0]
+    out = pp.conditional_sft(rows({"Q": [0.3, -2.0, 5.0]}), buckets=3)
+    assert [r["input"] for r in out] == ["Q <rm_score>: 1 ", "Q <rm_score>: 0 ", "Q <rm_score>: 2 "]
+    assert pp.csft_condition(4, 5) == "4" and pp.csft_condition(1.5) == "1.50"
+    with pytest.raises(pp.FilterError, match=">= 2"):
+        pp.reward_buckets([1.0, 2.0], 1)
+
+
 def test_dynamic_filter_keeps_prompts_with_mean_strictly_inside_range():
     """a mean 0.5 kept; b mean 1 (== max) dropped; c mean 0 (== min) dropped."""
     out = pp.dynamic_filter(rows({"a": [0.0, 1.0], "b": [1.0, 1.0], "c": [0.0, 0.0]}), 0.0, 1.0)

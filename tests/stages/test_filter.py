@@ -90,3 +90,10 @@ def test_a_rerun_reads_no_input_data(tmp_path):
     first = filter_stage.run(cfg)
     (tmp_path / "scored" / "scored.parquet").unlink()
     assert filter_stage.run(cfg).created_at == first.created_at
+
+
+def test_csft_reward_buckets_refuse_an_ignored_normalisation_and_one_bucket():
+    with pytest.raises(ValueError, match="normalize_reward has no effect"):
+        filter_stage.Config(scored_uri="x", method="csft", reward_buckets=5, normalize_reward=True, output_uri="y")
+    with pytest.raises(ValueError, match="reward_buckets must be 0"):
+        filter_stage.Config(scored_uri="x", method="csft", reward_buckets=1, output_uri="y")
