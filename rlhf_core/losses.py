@@ -112,3 +112,37 @@ def nll_per_token(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> torch.T
     """The chosen response's mean NLL, added to DPO as nll_loss_coef * nll (OpenRLHF's `--nll_loss_coef`,
     RPO arXiv:2404.19733). # (B,), # (B,) -> # (B,). e.g. sum logp -6 over 3 tokens: 2.0."""
     return -summed_logps / n_tokens.to(summed_logps.dtype).clamp(min=1)
+
+
+def kto_kl(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 before clamping: the mean of log pi(y'|x) - log ref(y'|x) over mismatched
+    pairs (x, y'), y' another example's completion (arXiv:2402.01306 sec. 4.1, a biased estimate of
+    KL(pi || ref)). # (B,), # (B,) -> scalar, detached (no gradient flows through z0, as in the paper, TRL
+    and OpenRLHF). Over several ranks the caller averages it before `kto_loss`.
+    e.g. policy [-2, -4], ref [-3, -3]: mean(1, -1) = 0."""
+    return (policy_kl_logps - ref_kl_logps).detach().float().mean()
+
+
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor | float,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> LossOutput:
+    """Kahneman-Tversky Optimization (arXiv:2402.01306 eq. 8) on summed completion log-probs, all # (B,);
+    desirable # (B,) bool; kl the reference point (kto_kl, averaged over ranks), clamped at 0.
+
+    r = log pi(y|x) - log ref(y|x), z0 = max(kl, 0)
+    desirable:   w_D (1 - sigmoid(beta (r - z0)))
+    undesirable: w_U (1 - sigmoid(beta (z0 - r)))
+    implied reward beta r per example (the paper's value function without the weights).
+    e.g. r = 2, z0 = 0, beta 0.5, w_D = 1: 1 - sigmoid(1) = 0.268941; undesirable r = 2, w_U = 2:
+    2 (1 - sigmoid(-1)) = 1.462117.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    z0 = torch.as_tensor(kl, dtype=policy_logps.dtype, device=policy_logps.device).clamp(min=0).detach()
+    r = policy_logps - ref_logps  # (B,)
+    d = desirable.to(torch.bool)
+    losses = torch.where(d, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
+    reward = beta * r.detach()
+    df = d.to(reward.dtype)
+    return LossOutput(losses, {"reward": reward, "desirable": df, "desirable_reward": reward * df,
+                               "undesirable_reward": reward * (1 - df), "kl": z0.expand_as(reward)})

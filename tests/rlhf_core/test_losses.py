@@ -86,3 +86,39 @@ def test_dpo_gradient_flows_only_through_policy():
 def test_nll_per_token():
     """sum logp -6 over 3 tokens -> 2.0."""
     assert losses.nll_per_token(t(-6), torch.tensor([3])).item() == pytest.approx(2.0)
+
+
+def test_kto_loss_hand_values():
+    """beta 0.5, z0 = 0. Desirable r = 2 (policy -1, ref -3): 1 - sigmoid(1) = 0.268941.
+    Undesirable r = 2, w_U = 2: 2 (1 - sigmoid(-1)) = 2 * 0.731059 = 1.462117.
+    Undesirable r = -2: 2 (1 - sigmoid(1)) = 0.537883. Implied rewards 0.5 r = 1, 1, -1."""
+    out = losses.kto_loss(t(-1, -1, -5), t(-3, -3, -3), torch.tensor([True, False, False]), 0.0, beta=0.5,
+                          undesirable_weight=2.0)
+    assert out.losses.tolist() == pytest.approx([0.268941, 1.462117, 0.537883], abs=1e-6)
+    assert out.metrics["reward"].tolist() == pytest.approx([1.0, 1.0, -1.0])
+    assert out.metrics["desirable_reward"].tolist() == pytest.approx([1.0, 0.0, 0.0])
+    assert out.metrics["undesirable_reward"].tolist() == pytest.approx([0.0, 1.0, -1.0])
+
+
+def test_kto_reference_point_from_mismatched_pairs():
+    """z0 = mean(pi - ref) over mismatched pairs: policy [-2, -2], ref [-3, -4] -> mean(1, 2) = 1.5.
+    Desirable r = 2, beta 1: 1 - sigmoid(2 - 1.5) = 1 - sigmoid(0.5) = 0.377541; undesirable r = 2:
+    1 - sigmoid(1.5 - 2) = sigmoid(0.5) = 0.622459. A negative estimate is clamped to 0: policy [-4], ref [-3]
+    -> kl -1, loss as with z0 = 0: 1 - sigmoid(2) = 0.119203. No gradient flows into z0."""
+    pk = t(-2, -2).requires_grad_()
+    kl = losses.kto_kl(pk, t(-3, -4))
+    assert kl.item() == pytest.approx(1.5) and not kl.requires_grad
+    out = losses.kto_loss(t(-1, -1), t(-3, -3), torch.tensor([True, False]), kl, beta=1.0)
+    assert out.losses.tolist() == pytest.approx([0.377541, 0.622459], abs=1e-6)
+    assert out.metrics["kl"].tolist() == pytest.approx([1.5, 1.5])
+    neg = losses.kto_loss(t(-1), t(-3), torch.tensor([True]), losses.kto_kl(t(-4), t(-3)), beta=1.0)
+    assert neg.losses.item() == pytest.approx(0.119203, abs=1e-6)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        losses.kto_loss(t(-1), t(-1), torch.tensor([True]), 0.0, beta=0.0)
+
+
+def test_kto_gradient_raises_desirable_and_lowers_undesirable():
+    """d loss / d log pi < 0 for a desirable example (raising it lowers the loss), > 0 for an undesirable one."""
+    p = t(-2, -2).requires_grad_()
+    losses.kto_loss(p, t(-2, -2), torch.tensor([True, False]), 0.0, beta=0.1).losses.sum().backward()
+    assert p.grad[0] < 0 < p.grad[1]
