@@ -46,19 +46,14 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
 
 
-def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Summed log-prob of the response tokens: sum_t logp_t * mask_t. # (B, T) -> # (B,)  (DPO's log pi(y|x))."""
-    return (token_logps * mask.to(token_logps.dtype)).sum(-1)
-
-
-def sft_loss(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-    """Masked cross-entropy (next-token NLL) on response tokens; prompt tokens have mask 0
-    (all tokens in pretrain_mode). token_logps, loss_mask # (B, T). Per-example loss = mean NLL over its
-    masked tokens; use reduce_tokens(-token_logps, mask, "token") for OpenRLHF's token-weighted batch loss."""
-    nll = -token_logps  # (B, T)
-    m = loss_mask.to(nll.dtype)
-    per_example = (nll * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-    return LossOutput(per_example, {"nll": per_example.detach(), "tokens": m.sum(-1).detach()})
+def sft_loss(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> LossOutput:
+    """Token-level mean NLL of the response tokens (OpenRLHF's GPTLMLoss: every token of the batch weighs the
+    same). summed_logps, n_tokens # (B,): each example's summed target log-probs and target count.
+    losses # (B,) are each example's share -sum logp_i / sum_j n_j, so losses.sum() is the batch loss;
+    metric nll is each example's own mean NLL.
+    e.g. sums [-6, -2] over [3, 1] tokens: shares [1.5, 0.5], batch loss 8 / 4 = 2.0; nll [2.0, 2.0]."""
+    n = n_tokens.to(summed_logps.dtype)
+    return LossOutput(-summed_logps / n.sum().clamp(min=1), {"nll": (-summed_logps / n.clamp(min=1)).detach()})
 
 
 def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
@@ -73,6 +68,8 @@ def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch
     if kind == "sigmoid":
         losses = -F.logsigmoid(diff - (margin if margin is not None else 0.0))
     elif kind == "logexp":
+        if margin is not None:
+            raise ValueError("the logexp reward-model loss takes no margin (use kind='sigmoid')")
         losses = torch.log1p(torch.exp(-diff))
     else:
         raise ValueError(f"unknown reward-model loss {kind!r} (sigmoid or logexp)")
@@ -99,6 +96,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
     elif loss_type == "ipo":
+        if label_smoothing:
+            raise ValueError("label_smoothing (cDPO) applies to the sigmoid loss only, not ipo")
         losses = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss type {loss_type!r} (sigmoid or ipo)")

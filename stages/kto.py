@@ -21,7 +21,7 @@ from pydantic import Field
 
 from rlhf_core import data, models, store
 from rlhf_core.train import launch
-from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, train_and_commit
 from rlhf_core.train.methods import kto
 from rlhf_core.train.reference import compute
 from stages.common import ConfigError, StageConfig, stage_task
@@ -29,7 +29,7 @@ from stages.common import ConfigError, StageConfig, stage_task
 log = logging.getLogger("rlhf_flows")
 
 
-class Config(StageConfig, TrainFields):
+class Config(StageConfig, TrainFields, SourceFields):
     policy_uri: str = Field(description="Policy to train: committed artifact or plain HF folder.")
     ref_uri: str | None = Field(None, description="Reference model (default: the policy itself).")
     input_key: str = Field("prompt", description="Prompt key of raw rows.")

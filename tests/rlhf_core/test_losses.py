@@ -20,25 +20,27 @@ def test_reduce_tokens_token_vs_sequence():
         losses.reduce_tokens(v, m, "batch")
 
 
-def test_token_logprobs_and_sequence_sum():
-    """Uniform logits over V=4: every log-prob is log(1/4); 2 masked response tokens sum to 2 log(1/4)."""
+def test_token_logprobs():
+    """Uniform logits over V=4: every log-prob is log(1/4)."""
     logits = torch.zeros(1, 3, 4)
     ids = torch.tensor([[0, 1, 2]])
     lp = losses.token_logprobs(logits, ids)
     assert lp.shape == (1, 2)
     assert torch.allclose(lp, torch.full((1, 2), math.log(0.25)))
-    assert losses.sequence_logps(lp, torch.tensor([[1, 1]])).item() == pytest.approx(2 * math.log(0.25))
     # a peaked logit: logits [0, ln 3, 0, 0] -> p(token 1) = 3/6 = 0.5
     logits2 = torch.zeros(1, 2, 4)
     logits2[0, 0, 1] = math.log(3)
     assert losses.token_logprobs(logits2, torch.tensor([[0, 1]])).item() == pytest.approx(math.log(0.5), abs=1e-6)
 
 
-def test_sft_loss_masks_prompt():
-    """logps [[-1,-2,-3]], mask [[0,1,1]] -> NLL mean over masked = (2+3)/2 = 2.5."""
-    out = losses.sft_loss(t(-1, -2, -3).unsqueeze(0), torch.tensor([[0, 1, 1]]))
-    assert out.losses.item() == pytest.approx(2.5)
-    assert out.metrics["tokens"].item() == 2
+def test_sft_loss_is_token_level():
+    """sums [-6, -2] over [3, 1] tokens: shares 6/4, 2/4 = [1.5, 0.5], batch loss 8/4 = 2.0 (token-level; the
+    sequence-level mean of 2.0 and 2.0 would also be 2.0, so a third: sum -1 over 4 tokens -> 9/8 = 1.125
+    token-level vs (2 + 2 + 0.25)/3 = 1.4167 sequence-level)."""
+    out = losses.sft_loss(t(-6, -2), torch.tensor([3, 1]))
+    assert out.losses.tolist() == pytest.approx([1.5, 0.5])
+    assert out.metrics["nll"].tolist() == pytest.approx([2.0, 2.0])
+    assert losses.sft_loss(t(-6, -2, -1), torch.tensor([3, 1, 4])).losses.sum().item() == pytest.approx(1.125)
 
 
 def test_pairwise_rm_loss():
@@ -53,6 +55,8 @@ def test_pairwise_rm_loss():
     assert losses.pairwise_rm_loss(t(2, 0), t(1, 1), kind="logexp").losses.tolist() == pytest.approx([0.313262, 1.313262], abs=1e-6)
     with pytest.raises(ValueError, match="unknown reward-model loss"):
         losses.pairwise_rm_loss(t(1), t(0), kind="hinge")
+    with pytest.raises(ValueError, match="logexp reward-model loss takes no margin"):
+        losses.pairwise_rm_loss(t(1), t(0), margin=t(1), kind="logexp")
 
 
 def test_dpo_sigmoid_ipo_cdpo():
@@ -72,6 +76,8 @@ def test_dpo_sigmoid_ipo_cdpo():
         losses.dpo_loss(*args, beta=0.0)
     with pytest.raises(ValueError, match="unknown DPO loss type"):
         losses.dpo_loss(*args, beta=0.5, loss_type="kto")
+    with pytest.raises(ValueError, match="label_smoothing .* sigmoid loss only, not ipo"):
+        losses.dpo_loss(*args, beta=0.5, loss_type="ipo", label_smoothing=0.1)
 
 
 def test_dpo_gradient_flows_only_through_policy():

@@ -17,6 +17,7 @@ import torch
 from rlhf_core import losses
 from rlhf_core.data import DataError
 from rlhf_core.train.batches import Encoder
+from rlhf_core.train.entry import forward
 
 MODEL = "causal_lm"
 
@@ -59,7 +60,7 @@ def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def step(engine, spec: dict, recs: list[dict], pad_id: int, forward):
+def step(engine, spec: dict, recs: list[dict], pad_id: int):
     """(loss, per-example metrics, real tokens forwarded) of one micro-batch."""
     with torch.no_grad():  # z0 carries no gradient: this forward keeps no activations
         kl_lp, _, kl_tokens = forward(engine, spec, [r["kl_ids"] for r in recs], [r["kl_start"] for r in recs], pad_id)
