@@ -90,7 +90,7 @@ def run(cfg: Config) -> store.Manifest:
     pairs = [{"chosen_ids": r["ids"], "chosen_start": r["start"], "rejected_ids": r["kl_ids"], "rejected_start": r["kl_start"]}
              for r in records]  # the reference pass forwards (example, mismatched pair) as it does (chosen, rejected)
     ref_lp, ref_kl, ref_s = compute(pairs, ref_dir, models.pad_id(tok, model_dir), store.cache_root() / "jobs" / f"{w.fingerprint}-ref",
-                                    bf16=cfg.bf16, zero_stage=cfg.zero_stage, batch_size=cfg.micro_train_batch_size,
+                                    bf16=cfg.bf16, zero_stage=3 if cfg.zero_stage == 3 else 0, batch_size=cfg.micro_train_batch_size,
                                     packing_samples=cfg.packing_samples, launcher="inline" if one_device else cfg.launcher,
                                     num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, hostfile=cfg.hostfile)
     for r, a, b in zip(records, ref_lp, ref_kl):
