@@ -159,6 +159,7 @@ def prepare_inputs(p: LoopParams, run: dict):
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
     gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
     per_iteration = {"iterative-dpo": 6, "raft": 5, "conditional-sft": 5}[run["flow"]]  # stage calls, eval included
+    per_iteration -= getattr(p, "trainer", "dpo") == "kto"  # kto runs its reference pass inside
     planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file or p.reward_url))
                + p.iterations * per_iteration)
     report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
@@ -234,10 +235,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         fm = by_stage["filter"]["metrics"]
         row["kept"] = fm.get("rows_out")
         row["ties_dropped"] = fm.get("dropped_ties")
-    for name in ("dpo", "sft"):
+    for name in ("dpo", "kto", "sft"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]
-            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy")
+            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy", "reward_gap")
                         if f"final_{key}" in tm})
             row[f"{name}_steps"] = tm.get("steps_done")
     ec = report.eval_cfg
