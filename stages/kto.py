@@ -10,7 +10,7 @@ one desirable and one undesirable row; the iterative loop feeds the pairs filter
 OpenRLHF-format sources: unpaired rows (input_key, output_key, label_key true/false) or paired rows
 (chosen_key, rejected_key). Data with one class only is refused.
 
-    rlhf-flows stage kto --config configs/demo.yaml policy_uri=... dataset_uri=... output_uri=...
+    rlhf-flows stage kto policy_uri=... dataset_uri=.../pairs output_uri=... beta=0.1 max_len=48
 """
 from __future__ import annotations
 
