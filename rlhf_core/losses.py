@@ -46,6 +46,13 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
 
 
+def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] per row: logits # (N, V), tokens # (N,) -> # (N,), in fp32
+    (logit - logsumexp, without materializing the (N, V) log-probs)."""
+    logits = logits.float()
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
 def sft_loss(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> LossOutput:
     """Token-level mean NLL of the response tokens (OpenRLHF's GPTLMLoss: every token of the batch weighs the
     same). summed_logps, n_tokens # (B,): each example's summed target log-probs and target count.

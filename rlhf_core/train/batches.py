@@ -159,9 +159,10 @@ class BatchPlan:
 # ---------------------------------------------------------------------------------------------- collation
 @dataclass
 class Batch:
-    """Sequences as rows (padded, R = n) or packed into one row (R = 1).
+    """Sequences as rows (padded, R = n), packed into one row (R = 1), or pairs sharing their prompt (R = n / 2).
     input_ids, position_ids, target_mask, segment: # (R, T); segment = sample index, n for padding;
-    last: # (n, 2) (row, column) of each sample's last token; attention_mask # (R, T), or # (1, 1, T, T) when packed."""
+    last: # (n, 2) (row, column) of each sample's last token; attention_mask # (R, T), or # (R, 1, T, T)
+    (True = may attend) when packed or shared; `explicit`: the targets when they are not the next column."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -170,16 +171,23 @@ class Batch:
     segment: torch.Tensor
     last: torch.Tensor
     n: int
+    real_tokens: int
+    explicit: tuple | None = None
 
-    @property
-    def real_tokens(self) -> int:
-        return int((self.segment < self.n).sum())
+    def targets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, cols, tokens, samples), each # (N,): token tokens[j] of sample samples[j] is predicted by the
+        logits at (rows[j], cols[j]). One entry per loss target, so the LM head runs on these positions only."""
+        if self.explicit is not None:
+            return self.explicit
+        r, c = self.target_mask[:, 1:].nonzero(as_tuple=True)
+        return r, c, self.input_ids[r, c + 1], self.segment[r, c + 1]
 
 
 def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool = False) -> Batch:
     """Token lists -> a Batch. Token t of sample i is a loss target iff t >= max(start_i, 1)
     (the first token of a sample is never predicted from inside the sample)."""
     n = len(seqs)
+    real = sum(len(s) for s in seqs)
     if packed:
         ids = [t for s in seqs for t in s]
         pos = [p for s in seqs for p in range(len(s))]
@@ -191,7 +199,7 @@ def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool 
         # attention crossing samples with SDPA/eager (measured: transformers 5.19), so the mask is explicit.
         sg, ar = torch.tensor(seg), torch.arange(len(ids))
         att = ((sg[:, None] == sg[None, :]) & (ar[:, None] >= ar[None, :]))[None, None]
-        return Batch(t(ids), t(pos), att, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n)
+        return Batch(t(ids), t(pos), att, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n, real)
     T = max(len(s) for s in seqs)
     ids = torch.full((n, T), pad_id)
     att = torch.zeros((n, T), dtype=torch.long)
@@ -204,7 +212,50 @@ def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool 
         seg[i, :len(s)] = i
     pos = torch.arange(T).expand(n, T).clone()
     last = torch.stack([torch.arange(n), torch.tensor([len(s) - 1 for s in seqs])], 1)
-    return Batch(ids, pos, att, tgt, seg, last, n)
+    return Batch(ids, pos, att, tgt, seg, last, n, real)
+
+
+def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[list[int]], r_starts: list[int],
+                  pad_id: int) -> Batch:
+    """Preference pairs, one row each: [shared prompt | chosen response | rejected response], so the prompt
+    is forwarded once per pair instead of twice (prefix sharing, Wang et al. 2024, arXiv:2410.20305). Each
+    response attends to the prompt and to itself only, with the positions it would have alone, so every
+    log-prob equals that of the padded two-row layout. Samples 0..k-1 are the chosen, k..2k-1 the rejected
+    (the order of `collate(chosen + rejected, ...)`). The shared part is the common prefix of the two token
+    lists, at most up to the earlier response start (after truncation the two prompts may differ)."""
+    k = len(chosen)
+    rows, T = [], 0
+    for c, cs, r, rs in zip(chosen, c_starts, rejected, r_starts):
+        L = 0
+        while L < min(cs, rs) and c[L] == r[L]:
+            L += 1
+        rows.append((c, cs, r, rs, L))
+        T = max(T, len(c) + len(r) - L)
+    ids = torch.full((k, T), pad_id)
+    pos = torch.zeros((k, T), dtype=torch.long)
+    part = torch.full((k, T), -1)  # 0 prompt, 1 chosen response, 2 rejected response, -1 padding
+    seg = torch.full((k, T), 2 * k)
+    tr, tc, tt, ts, last = [], [], [], [], torch.zeros((2 * k, 2), dtype=torch.long)
+    for i, (c, cs, r, rs, L) in enumerate(rows):
+        nc, nr = len(c), len(r)
+        ids[i, :nc], ids[i, nc:nc + nr - L] = torch.tensor(c), torch.tensor(r[L:], dtype=torch.long)
+        pos[i, :nc], pos[i, nc:nc + nr - L] = torch.arange(nc), torch.arange(L, nr)
+        part[i, :L], part[i, L:nc], part[i, nc:nc + nr - L] = 0, 1, 2
+        seg[i, :nc], seg[i, nc:nc + nr - L] = i, k + i
+        col_r = lambda p: p if p < L else nc + p - L  # noqa: E731 (column of rejected token p)
+        for t in range(max(cs, 1), nc):  # token t predicted by the logits of token t - 1
+            tr.append(i), tc.append(t - 1), tt.append(c[t]), ts.append(i)
+        for t in range(max(rs, 1), nr):
+            tr.append(i), tc.append(col_r(t - 1)), tt.append(r[t]), ts.append(k + i)
+        last[i], last[k + i] = torch.tensor([i, nc - 1]), torch.tensor([i, col_r(nr - 1)])
+    ar = torch.arange(T)
+    q, kk = part[:, :, None], part[:, None, :]  # (k, T, 1), (k, 1, T)
+    att = (ar[:, None] >= ar[None, :]) & (kk != -1) & (q != -1) & ((kk == 0) | (kk == q))
+    att = (att | torch.eye(T, dtype=torch.bool))[:, None]  # padding attends to itself: no all-masked row (NaN)
+    tgt = torch.zeros((k, T), dtype=torch.long)
+    explicit = tuple(torch.tensor(x, dtype=torch.long) for x in (tr, tc, tt, ts))
+    real = sum(len(c) + len(r) for c, _, r, _, _ in rows)
+    return Batch(ids, pos, att, tgt, seg, last, 2 * k, real, explicit)
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:

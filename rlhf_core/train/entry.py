@@ -19,7 +19,7 @@ import torch
 
 from rlhf_core import losses
 from rlhf_core.train import checkpoints
-from rlhf_core.train.batches import BatchPlan, collate, per_sample_sum, seq_len
+from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
 
@@ -84,24 +84,55 @@ def load_model(spec: dict, cuda: bool, method):
     return model
 
 
-def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int):
-    """One forward over token lists: (summed target log-probs # (n,), target counts # (n,)) for LMs, or
-    (scalar rewards # (n,), None) for a reward model (score head on each sample's last token)."""
-    b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+def _parts(model):
+    """(backbone, LM head) of a causal LM (bare, PEFT-wrapped or inside a DeepSpeed engine), or None when its
+    logits are not just head(hidden) (logit soft-capping or scaling): then the full forward is used."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = core.config.get_text_config()
+    if any(getattr(cfg, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                              "output_multiplier", "lm_head_multiplier", "logits_scaling")):
+        return None
+    head = core.get_output_embeddings()
+    return (getattr(core, core.base_model_prefix), head) if head is not None else None
+
+
+def target_logps(engine, b) -> torch.Tensor:
+    """log p(target) of every loss target of batch `b`, # (N,) in b.targets() order. The LM head runs only on
+    the positions that predict a target (not on prompts or padding), and log_softmax over those rows only."""
     dev = engine.device
-    ids, pos = b.input_ids.to(dev), b.position_ids.to(dev)
-    att = b.attention_mask.to(dev)
     model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
-    if spec["method"] == "rm":
-        core = model.get_base_model() if hasattr(model, "get_base_model") else model
-        h = getattr(core, core.base_model_prefix)(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state
-        values = core.score(h).squeeze(-1).float()  # (R, T)
-        last = b.last.to(dev)
-        return values[last[:, 0], last[:, 1]], None, b.real_tokens
-    logits = engine(input_ids=ids, attention_mask=att, position_ids=pos).logits  # (R, T, V)
-    lp = losses.token_logprobs(logits, ids)  # (R, T-1)
-    b.segment, b.target_mask = b.segment.to(dev), b.target_mask.to(dev)
-    return per_sample_sum(lp, b), per_sample_sum(torch.ones_like(lp), b), b.real_tokens
+    att = b.attention_mask.to(dev)
+    if att.dim() == 4 and getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask
+        att = torch.zeros(att.shape, dtype=torch.float32, device=dev).masked_fill(~att, torch.finfo(torch.float32).min)
+    kw = {"input_ids": b.input_ids.to(dev), "attention_mask": att, "position_ids": b.position_ids.to(dev)}
+    rows, cols, tokens, _ = (t.to(dev) for t in b.targets())
+    parts = _parts(model)
+    if parts is None:
+        logits = engine(**kw).logits[rows, cols]  # (N, V)
+    else:
+        backbone, head = parts
+        logits = head(backbone(**kw).last_hidden_state[rows, cols])  # (N, V)
+    return losses.gathered_logprobs(logits, tokens)
+
+
+def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
+    """Token lists -> a Batch. `pairs`: seqs are k chosen then k rejected of the same prompts, collated as k
+    rows sharing the prompt (rlhf_core.train.batches.collate_pairs) unless packing_samples packs them."""
+    if pairs and not spec["packing_samples"]:
+        k = len(seqs) // 2
+        return collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
+    return collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+
+
+def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
+    """One LM forward over token lists: (summed target log-probs # (n,), target counts # (n,), real tokens).
+    `pairs`: as batch_of. (A reward model's forward is rlhf_core.train.methods.rm.rewards.)"""
+    b = batch_of(spec, seqs, starts, pad_id, pairs)
+    dev = engine.device
+    lp = target_logps(engine, b)
+    sample = b.targets()[3].to(dev)
+    zeros = torch.zeros(b.n, dtype=lp.dtype, device=dev)
+    return zeros.index_add(0, sample, lp), zeros.index_add(0, sample, torch.ones_like(lp)), b.real_tokens
 
 
 def evaluate(engine, spec: dict, method, records: list[dict], rank: int, world: int, pad_id: int) -> dict:

@@ -5,8 +5,8 @@ It runs where training runs and in the training dtype, so that at DPO's step 0 p
 (implied margin 0): as a job under the training stages' launcher (`python -m rlhf_core.train.reference
 SPEC.json` under deepspeed / torchrun; with zero_stage 3 DeepSpeed shards the weights over the ranks, each
 rank forwards every world-th batch and rank 0 gathers), or `inline` in this process on its one device (GPU
-if there is one). The forward is the training forward (rlhf_core.train.entry.forward): same collation,
-same padding or packing, same log-prob code.
+if there is one). The forward is the training forward (rlhf_core.train.entry.forward): same collation
+(a pair's prompt forwarded once), same padding or packing, same log-prob code.
 
     python -m rlhf_core.train.reference SPEC.json     (started by `compute`, never by hand)
 """
@@ -18,28 +18,38 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from rlhf_core import progress
 
 from rlhf_core.train.batches import seq_len
 
 
-@torch.no_grad()
-def pair_logps(forward, records: list[dict], batch_size: int, rank: int = 0, world: int = 1) -> dict[int, tuple]:
+@torch.inference_mode()
+def pair_logps(forward, records: list[dict], batch_size: int, rank: int = 0, world: int = 1,
+               report: Callable[[int, int], None] | None = None) -> dict[int, tuple]:
     """{record index: (chosen, rejected)} for this rank's batches (batches sorted by length; rank r takes
     batches r, r + world, ...). Every rank runs the same number of forwards (ZeRO-3 gathers weights
-    collectively), the last ones repeating a batch whose results are dropped."""
+    collectively), the last ones repeating a batch whose results are dropped. `report(done, total)` is
+    called about 20 times (pairs done over all ranks, as rank 0 sees them)."""
     order = sorted(range(len(records)), key=lambda i: seq_len(records[i]))
     batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
     mine = batches[rank::world]
     out = {}
-    for j in range(math.ceil(len(batches) / world)):
+    rounds = math.ceil(len(batches) / world)
+    for j in range(rounds):
+        if report and (j % max(1, rounds // 20) == 0 or j == rounds - 1) and j:
+            report(min(len(records), j * world * batch_size), len(records))
         idx = mine[j] if j < len(mine) else batches[0]
         recs = [records[i] for i in idx]
         lp = forward([r["chosen_ids"] for r in recs] + [r["rejected_ids"] for r in recs],
                      [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs]).float().cpu()  # (2n,)
         if j < len(mine):
             out.update({i: (float(lp[k]), float(lp[len(idx) + k])) for k, i in enumerate(idx)})
+    if report:
+        report(len(records), len(records))
     return out
 
 
@@ -53,7 +63,7 @@ def _load(spec: dict, device: str):
 def _spec_forward(model, spec: dict):
     from rlhf_core.train.entry import forward
 
-    return lambda seqs, starts: forward(model, spec, seqs, starts, spec["pad_id"])[0]
+    return lambda seqs, starts: forward(model, spec, seqs, starts, spec["pad_id"], pairs=True)[0]
 
 
 def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
@@ -67,7 +77,8 @@ def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: P
     if launcher == "inline":
         model = _load(spec, "cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.perf_counter()
-        got = pair_logps(_spec_forward(model, spec), records, batch_size)
+        got = pair_logps(_spec_forward(model, spec), records, batch_size,
+                         report=lambda d, n: progress.rows("reference", d, n))
         seconds = time.perf_counter() - t0
     else:
         import pyarrow as pa
@@ -113,7 +124,8 @@ def main(spec_path: str) -> None:
     records = pq.read_table(spec["data_path"]).to_pylist()
     dist.barrier()
     t0 = time.perf_counter()
-    mine = pair_logps(_spec_forward(engine, spec), records, spec["batch_size"], rank, world)
+    say = lambda d, n: print(f"progress reference {d}/{n} rows", flush=True)  # noqa: E731 (to the logger)
+    mine = pair_logps(_spec_forward(engine, spec), records, spec["batch_size"], rank, world, say if rank == 0 else None)
     parts = [None] * world
     dist.all_gather_object(parts, mine)
     seconds = time.perf_counter() - t0

@@ -89,16 +89,17 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
     assert "progress score 256/512 rows" in messages and "progress score 512/512 rows" in messages, messages
 
 
-def test_stage_on_the_cli_shows_training_steps_with_loss_tokens_per_s_and_eta(tiny, tmp_path, capsys):
+def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_tokens_per_s_and_eta(tiny, tmp_path, capsys):
     from flows import cli
-    from stages import reference
     from rlhf_core import demo_task
 
     w = store.ArtifactWriter(str(tmp_path / "pairs"), "data", {"n": 16})
     w.begin()
     w.write_table("rows.parquet", data.to_table(demo_task.preference_rows(16, 0), "pairs"))
-    ref = reference.run(reference.Config(pairs_uri=w.commit().uri, ref_uri=tiny.policy_uri, max_len=48,
-                                         output_uri=str(tmp_path / "ref")))
+    assert cli.main(["stage", "reference", f"pairs_uri={w.commit().uri}", f"ref_uri={tiny.policy_uri}", "max_len=48",
+                     "batch_size=4", f"output_uri={tmp_path / 'ref'}", "--progress-every", "0"]) == 0
+    assert re.findall(r"^reference (\d+)/16 rows", capsys.readouterr().err, re.M) == ["4", "8", "12", "16"]
+    ref = store.read_manifest(str(tmp_path / "ref"))
     assert cli.main(["stage", "dpo", f"policy_uri={tiny.policy_uri}", f"dataset_uri={ref.uri}", "max_len=48",
                      "train_batch_size=4", "micro_train_batch_size=4", "log_steps=1", "launcher=python",
                      "use_tensorboard=true", "use_wandb=true", f"output_uri={tmp_path / 'dpo'}", "--progress-every", "0"]) == 0

@@ -208,3 +208,48 @@ def test_zero3_gathers_full_weights_for_the_save(tiny, tmp_path):
     before, after = weights(tiny.policy_dir), weights(tmp_path / "z3")
     assert {k: v.shape for k, v in before.items()} == {k: v.shape for k, v in after.items()}  # not ZeRO-3 shards
     assert all(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("method", ["dpo", "rm"])
+def test_pairs_sharing_their_prompt_equal_two_rows(tiny, method):
+    """DPO and RM forward a pair as one row [prompt | chosen | rejected] (the prompt once). Per-sample
+    log-probs / rewards and the gradients equal the padded two-row layout with full logits, also for a pair
+    whose prompts differ (as after truncation) and pairs of different lengths."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_core import losses
+    from rlhf_core.train.batches import collate, collate_pairs, per_sample_sum, tokenize_pairs
+    from rlhf_core.train.entry import forward
+    from rlhf_core.train.methods import rm as rm_method
+
+    tok = AutoTokenizer.from_pretrained(str(tiny.policy_dir))
+    recs, _ = tokenize_pairs(demo_task.preference_rows(4, seed=3), tok, 64)
+    recs[1]["rejected_ids"] = [recs[1]["rejected_ids"][0] + 1] + recs[1]["rejected_ids"][1:]  # prompts differ
+    c, cs = [r["chosen_ids"] for r in recs], [r["chosen_start"] for r in recs]
+    r, rs = [r["rejected_ids"] for r in recs], [r["rejected_start"] for r in recs]
+    assert collate_pairs(c, cs, r, rs, tok.pad_token_id).input_ids.shape[0] == 4
+    torch.manual_seed(0)
+    if method == "rm":
+        model = AutoModelForSequenceClassification.from_pretrained(str(tiny.reward_dir), dtype=torch.float32, num_labels=1)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir), dtype=torch.float32)
+    spec = {"method": method, "packing_samples": False}
+    if method == "rm":  # the reward model's forward is its method's (rlhf_core.train.methods.rm)
+        shared, _ = rm_method.rewards(model, spec, c + r, cs + rs, tok.pad_token_id)
+    else:
+        shared, _, _ = forward(model, spec, c + r, cs + rs, tok.pad_token_id, pairs=True)
+    g_shared = torch.autograd.grad(shared.sum(), [p for p in model.parameters() if p.requires_grad])
+    b = collate(c + r, cs + rs, tok.pad_token_id)
+    if method == "rm":
+        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
+        h = model.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).last_hidden_state
+        two_rows = model.score(h)[b.last[:, 0], b.last[:, 1]].squeeze(-1)
+        del out
+    else:
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+        two_rows = per_sample_sum(losses.token_logprobs(logits, b.input_ids), b)
+    g_two = torch.autograd.grad(two_rows.sum(), [p for p in model.parameters() if p.requires_grad])
+    assert shared.shape == (8,)
+    assert torch.allclose(shared, two_rows, atol=1e-4), (shared, two_rows)
+    for a, e in zip(g_shared, g_two):
+        assert torch.allclose(a, e, atol=1e-4, rtol=1e-3)

@@ -14,7 +14,7 @@ MODEL = "causal_lm"
 def step(engine, spec: dict, recs: list[dict], pad_id: int):
     k = len(recs)
     lp, n, tokens = forward(engine, spec, [r["chosen_ids"] for r in recs] + [r["rejected_ids"] for r in recs],
-                            [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs], pad_id)
+                            [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs], pad_id, pairs=True)
     ref_c = torch.tensor([r["ref_chosen_logp"] for r in recs], device=lp.device)
     ref_r = torch.tensor([r["ref_rejected_logp"] for r in recs], device=lp.device)
     o = losses.dpo_loss(lp[:k], lp[k:], ref_c, ref_r, spec["beta"], spec["loss_type"], spec["label_smoothing"])

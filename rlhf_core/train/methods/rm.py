@@ -8,22 +8,22 @@ import math
 import torch
 
 from rlhf_core import losses
-from rlhf_core.train.batches import collate
+from rlhf_core.train.entry import batch_of
 
 MODEL = "reward_model"
 
 
 def rewards(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int):
-    """Scalar rewards # (n,) (score head on each sample's last token) and the real tokens forwarded."""
-    b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+    """Scalar rewards # (n,) of k chosen then k rejected sequences (score head on each sample's last token;
+    a pair's prompt forwarded once, entry.batch_of) and the real tokens forwarded."""
+    b = batch_of(spec, seqs, starts, pad_id, pairs=True)
     dev = engine.device
     model = getattr(engine, "module", engine)
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     h = getattr(core, core.base_model_prefix)(input_ids=b.input_ids.to(dev), attention_mask=b.attention_mask.to(dev),
                                               position_ids=b.position_ids.to(dev)).last_hidden_state
-    values = core.score(h).squeeze(-1).float()  # (R, T)
     last = b.last.to(dev)
-    return values[last[:, 0], last[:, 1]], b.real_tokens
+    return core.score(h[last[:, 0], last[:, 1]]).squeeze(-1).float(), b.real_tokens
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):
