@@ -137,7 +137,7 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
         stage_config(module, base, **{f: "placeholder://" for f, info in module.Config.model_fields.items()
                                       if (info.is_required() or f in table.WIRED.get(name, ())) and f not in base})
     spec = table.FLOWS.get(flow_name)
-    missing = [s for s in (spec.iteration if spec else ()) if s not in table.SHARED
+    missing = [s for s in (table.iteration(flow_name, p) if spec else ()) if s not in table.SHARED
                and s not in {m.__name__.rsplit(".", 1)[-1] for m, _ in own}]
     if missing:  # a flow whose table entry and checks() disagree: a bug, said before any work
         raise ConfigError(f"{flow_name}: stages {missing} of flows/table.py are not in the flow's checks()")
@@ -239,10 +239,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         pm = by_stage["ppo"]["metrics"]
         row.update(ppo_reward_first=pm.get("first_reward"), ppo_reward_last=pm.get("last_reward"), ppo_kl=pm.get("last_kl"),
                    ppo_steps=pm.get("steps_done"))
-    for name in ("dpo", "sft"):
+    for name in ("dpo", "kto", "sft"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]
-            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy")
+            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy", "reward_gap")
                         if f"final_{key}" in tm})
             row[f"{name}_steps"] = tm.get("steps_done")
     ec = report.eval_cfg

@@ -9,6 +9,8 @@ loop of OpenRLHF's former examples/scripts/train_iterative_dpo_llama.sh, as a re
         reference log-probs of the pairs under the reference model        (once per dataset)
         dpo(policy_k) -> policy_{k+1}; evaluate on held-out prompts
     reference = the initial policy (Online-RLHF), or the previous policy with ref_policy=previous.
+    trainer=kto: the pairs become KTO rows (chosen desirable, rejected undesirable) and the kto stage trains
+    on them (arXiv:2402.01306; its own reference pass inside), with the `kto` settings instead of dpo's.
 
 Every stage writes `{root}/{run_name}/iter-{k}/{stage}/`; rerunning with the same run_name resumes.
 
@@ -25,13 +27,17 @@ from pydantic import Field
 from flows import common
 from flows.common import call, stage_config
 from rlhf_core import store
-from stages import dpo, filter as filter_stage, reference
+from stages import dpo, filter as filter_stage, kto, reference
+from stages.common import ConfigError
 
 
 class Params(common.LoopParams):
     ref_policy: Literal["initial", "previous"] = Field("initial", description="Reference model for DPO.")
     reference: dict = Field(default_factory=dict, description="Settings of the reference log-prob pass.")
     dpo: dict = Field(default_factory=dict, description="DPO settings (beta, learning_rate, ...).")
+    trainer: Literal["dpo", "kto"] = Field("dpo", description="Preference trainer of each iteration: dpo on the pairs, "
+                                           "or kto on the pairs as desirable / undesirable rows.")
+    kto: dict = Field(default_factory=dict, description="KTO settings (beta, desirable_loss_weight, ...) with trainer=kto.")
 
 
 # The reference pass runs as dpo trains (same tokens, dtype and hardware) unless `reference` says otherwise.
@@ -44,8 +50,12 @@ def reference_settings(p: Params) -> dict:
 
 
 def checks(p: Params) -> dict:
-    """The flow's own stages and their settings, validated before any work."""
-    return {reference: reference_settings(p), dpo: p.dpo}
+    """The flow's own stages and their settings, validated before any work; the other trainer's settings
+    would be ignored, so they are refused."""
+    unused = ("dpo", "reference") if p.trainer == "kto" else ("kto",)
+    if given := [k for k in unused if getattr(p, k)]:
+        raise ConfigError(f"iterative-dpo: trainer={p.trainer} does not read {' and '.join(given)} settings: remove them")
+    return {kto: p.kto} if p.trainer == "kto" else {reference: reference_settings(p), dpo: p.dpo}
 
 
 @flow(name="iterative-dpo", log_prints=True)
@@ -60,14 +70,20 @@ def iterative_dpo(params: Params) -> dict:
             samples, scored = common.rollout(p, k, policy, prompts, reward)
             pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"},
                                                          scored_uri=scored["uri"], output_uri=at("pairs"), storage_options=so))
-            with_ref = call(reference.task, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"],
-                                                         ref_uri=ref, output_uri=at("reference"), storage_options=so))
-            trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
-                                                  output_uri=at("dpo"), storage_options=so))
+            if p.trainer == "kto":
+                trained = call(kto.task, stage_config(kto, p.kto, dataset_uri=pairs["uri"], policy_uri=policy, ref_uri=ref,
+                                                      output_uri=at("kto"), storage_options=so))
+                made = [samples, scored, pairs, trained]
+            else:
+                with_ref = call(reference.task, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"],
+                                                             ref_uri=ref, output_uri=at("reference"), storage_options=so))
+                trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
+                                                      output_uri=at("dpo"), storage_options=so))
+                made = [samples, scored, pairs, with_ref, trained]
             policy = trained["uri"]
             if p.ref_policy == "previous":
                 ref = policy
-            common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, pairs, with_ref, trained])
+            common.evaluate_and_report(p, report, k, policy, reward, made)
     return report.finish()
 
 

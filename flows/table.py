@@ -20,10 +20,12 @@ class FlowSpec:
     module: str  # holds Params, checks(params) and FLOW
     iteration: tuple[str, ...]  # stage calls of one iteration, in order (stages/<name>.py), eval included
     optional: tuple[tuple[str, str], ...] = ()  # (stage, Params field): one more call per iteration when it is set
+    variants: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (Params field, value, the iteration instead)
 
 
 FLOWS = {
-    "iterative-dpo": FlowSpec("flows.iterative_dpo", ("generate", "score", "filter", "reference", "dpo", "eval")),
+    "iterative-dpo": FlowSpec("flows.iterative_dpo", ("generate", "score", "filter", "reference", "dpo", "eval"),
+                              variants=(("trainer", "kto", ("generate", "score", "filter", "kto", "eval")),)),
     "raft": FlowSpec("flows.raft", ("generate", "score", "filter", "sft", "eval")),
     "conditional-sft": FlowSpec("flows.conditional_sft", ("generate", "score", "filter", "sft", "eval"),
                                 optional=(("eval", "low_target_reward"),)),
@@ -31,6 +33,12 @@ FLOWS = {
 }
 
 
+def iteration(flow: str, params) -> tuple[str, ...]:
+    """The stage calls of one iteration of `flow` run with `params` (eval included, optional calls not)."""
+    spec = FLOWS[flow]
+    return next((stages for field, value, stages in spec.variants if getattr(params, field, None) == value), spec.iteration)
+
+
 def calls_per_iteration(flow: str, params) -> int:
     spec = FLOWS[flow]
-    return len(spec.iteration) + sum(getattr(params, field, None) is not None for _, field in spec.optional)
+    return len(iteration(flow, params)) + sum(getattr(params, field, None) is not None for _, field in spec.optional)

@@ -35,6 +35,7 @@ SCHEMAS: dict[str, dict[str, pa.DataType]] = {
               "rejected_reward": pa.float64(), "margin": pa.float64(), "ref_chosen_logp": pa.float64(),
               "ref_rejected_logp": pa.float64(), "chosen_finished": pa.bool_(), "rejected_finished": pa.bool_()},
     "sft": {"input": pa.string(), "output": pa.string(), "reward": pa.float64(), "finished": pa.bool_()},
+    "kto": {"prompt": pa.string(), "completion": pa.string(), "label": pa.bool_(), "finished": pa.bool_()},
 }
 REQUIRED = {
     "prompts": ("prompt",),
@@ -42,6 +43,7 @@ REQUIRED = {
     "scored": ("prompt", "response", "sample_index", "reward"),
     "pairs": ("prompt", "chosen", "rejected"),
     "sft": ("input", "output"),
+    "kto": ("prompt", "completion", "label"),
 }
 
 
@@ -316,3 +318,48 @@ def pair_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> 
             raise DataError(f"{src} row {i}: {fmt.chosen_key!r} and {fmt.rejected_key!r} are identical ({chosen[:40]!r})")
         out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return out
+
+
+def kto_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
+    """Raw rows -> `kto` rows (prompt, completion, label): unpaired rows with `label_key` true (desirable) or
+    false (undesirable), OpenRLHF's --input_key / --output_key / --label_key; or paired preference rows
+    (chosen_key and rejected_key present, no label_key), each converted to one desirable and one undesirable
+    row (TRL's unpair_preference_dataset)."""
+    out = []
+    for src, i, row in raw:
+        if fmt.label_key not in row and fmt.chosen_key in row and fmt.rejected_key in row:
+            for p in pair_rows([(src, i, row)], Format(prompt_key=fmt.input_key, chosen_key=fmt.chosen_key,
+                                                       rejected_key=fmt.rejected_key, input_template=fmt.input_template,
+                                                       apply_chat_template=fmt.apply_chat_template), tokenizer):
+                out += pairs_to_kto([p])
+            continue
+        label = _get(row, fmt.label_key, src, i)
+        if not isinstance(label, bool) and label not in (0, 1):
+            raise DataError(f"{src} row {i}: key {fmt.label_key!r} must be true or false (desirable or not), got {label!r}")
+        r = sft_rows([(src, i, row)], fmt, tokenizer)[0]
+        if not r["output"].strip():
+            raise DataError(f"{src} row {i}: key {fmt.output_key!r} is empty")
+        out.append({"prompt": r["input"], "completion": r["output"], "label": bool(label)})
+    return out
+
+
+def pairs_to_kto(rows: list[dict]) -> list[dict]:
+    """`pairs` rows -> `kto` rows: chosen desirable, rejected undesirable, each with the pair's prompt."""
+    out = []
+    for r in rows:
+        for k, label in (("chosen", True), ("rejected", False)):
+            row = {"prompt": r.get("prompt") or "", "completion": r[k], "label": label}
+            if r.get(f"{k}_finished") is not None:
+                row["finished"] = r[f"{k}_finished"]
+            out.append(row)
+    return out
+
+
+def check_kto_classes(rows: list[dict], where: str, label_key: str = "label") -> tuple[int, int]:
+    """(desirable, undesirable) counts; KTO data with one class only is refused naming the file and key."""
+    n_d = sum(bool(r["label"]) for r in rows)
+    if n_d == 0 or n_d == len(rows):
+        which = "true (desirable)" if n_d else "false (undesirable)"
+        raise DataError(f"{where}: all {len(rows)} rows have {label_key!r} {which}: KTO needs both desirable "
+                        f"and undesirable examples")
+    return n_d, len(rows) - n_d

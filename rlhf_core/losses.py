@@ -53,19 +53,14 @@ def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
-def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Summed log-prob of the response tokens: sum_t logp_t * mask_t. # (B, T) -> # (B,)  (DPO's log pi(y|x))."""
-    return (token_logps * mask.to(token_logps.dtype)).sum(-1)
-
-
-def sft_loss(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-    """Masked cross-entropy (next-token NLL) on response tokens; prompt tokens have mask 0
-    (all tokens in pretrain_mode). token_logps, loss_mask # (B, T). Per-example loss = mean NLL over its
-    masked tokens; use reduce_tokens(-token_logps, mask, "token") for OpenRLHF's token-weighted batch loss."""
-    nll = -token_logps  # (B, T)
-    m = loss_mask.to(nll.dtype)
-    per_example = (nll * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-    return LossOutput(per_example, {"nll": per_example.detach(), "tokens": m.sum(-1).detach()})
+def sft_loss(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> LossOutput:
+    """Token-level mean NLL of the response tokens (OpenRLHF's GPTLMLoss: every token of the batch weighs the
+    same). summed_logps, n_tokens # (B,): each example's summed target log-probs and target count.
+    losses # (B,) are each example's share -sum logp_i / sum_j n_j, so losses.sum() is the batch loss;
+    metric nll is each example's own mean NLL.
+    e.g. sums [-6, -2] over [3, 1] tokens: shares [1.5, 0.5], batch loss 8 / 4 = 2.0; nll [2.0, 2.0]."""
+    n = n_tokens.to(summed_logps.dtype)
+    return LossOutput(-summed_logps / n.sum().clamp(min=1), {"nll": (-summed_logps / n.clamp(min=1)).detach()})
 
 
 def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
@@ -80,6 +75,8 @@ def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch
     if kind == "sigmoid":
         losses = -F.logsigmoid(diff - (margin if margin is not None else 0.0))
     elif kind == "logexp":
+        if margin is not None:
+            raise ValueError("the logexp reward-model loss takes no margin (use kind='sigmoid')")
         losses = torch.log1p(torch.exp(-diff))
     else:
         raise ValueError(f"unknown reward-model loss {kind!r} (sigmoid or logexp)")
@@ -106,6 +103,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
     elif loss_type == "ipo":
+        if label_smoothing:
+            raise ValueError("label_smoothing (cDPO) applies to the sigmoid loss only, not ipo")
         losses = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss type {loss_type!r} (sigmoid or ipo)")
@@ -119,3 +118,37 @@ def nll_per_token(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> torch.T
     """The chosen response's mean NLL, added to DPO as nll_loss_coef * nll (OpenRLHF's `--nll_loss_coef`,
     RPO arXiv:2404.19733). # (B,), # (B,) -> # (B,). e.g. sum logp -6 over 3 tokens: 2.0."""
     return -summed_logps / n_tokens.to(summed_logps.dtype).clamp(min=1)
+
+
+def kto_kl(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 before clamping: the mean of log pi(y'|x) - log ref(y'|x) over mismatched
+    pairs (x, y'), y' another example's completion (arXiv:2402.01306 sec. 4.1, a biased estimate of
+    KL(pi || ref)). # (B,), # (B,) -> scalar, detached (no gradient flows through z0, as in the paper, TRL
+    and OpenRLHF). Over several ranks the caller averages it before `kto_loss`.
+    e.g. policy [-2, -4], ref [-3, -3]: mean(1, -1) = 0."""
+    return (policy_kl_logps - ref_kl_logps).detach().float().mean()
+
+
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor | float,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> LossOutput:
+    """Kahneman-Tversky Optimization (arXiv:2402.01306 eq. 8) on summed completion log-probs, all # (B,);
+    desirable # (B,) bool; kl the reference point (kto_kl, averaged over ranks), clamped at 0.
+
+    r = log pi(y|x) - log ref(y|x), z0 = max(kl, 0)
+    desirable:   w_D (1 - sigmoid(beta (r - z0)))
+    undesirable: w_U (1 - sigmoid(beta (z0 - r)))
+    implied reward beta r per example (the paper's value function without the weights).
+    e.g. r = 2, z0 = 0, beta 0.5, w_D = 1: 1 - sigmoid(1) = 0.268941; undesirable r = 2, w_U = 2:
+    2 (1 - sigmoid(-1)) = 1.462117.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    z0 = torch.as_tensor(kl, dtype=policy_logps.dtype, device=policy_logps.device).clamp(min=0).detach()
+    r = policy_logps - ref_logps  # (B,)
+    d = desirable.to(torch.bool)
+    losses = torch.where(d, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
+    reward = beta * r.detach()
+    df = d.to(reward.dtype)
+    return LossOutput(losses, {"reward": reward, "desirable": df, "desirable_reward": reward * df,
+                               "undesirable_reward": reward * (1 - df), "kl": z0.expand_as(reward)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core import data, models, store
 from rlhf_core.train import batches
@@ -28,6 +28,12 @@ class Config(StageConfig, TrainFields):
     nll_loss_coef: float = Field(0.0, ge=0, description="Weight of the chosen responses' NLL added to the loss.")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
+
+    @model_validator(mode="after")
+    def _smoothing_is_sigmoid_only(self):
+        if self.label_smoothing and self.loss_type != "sigmoid":  # IPO's squared loss has no label-flip term
+            raise ValueError(f"label_smoothing (cDPO) applies to loss_type sigmoid only, not {self.loss_type!r}")
+        return self
 
 
 def run(cfg: Config) -> store.Manifest:

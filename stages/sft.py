@@ -13,11 +13,11 @@ from typing import ClassVar
 from pydantic import Field
 from rlhf_core import data, models, store
 from rlhf_core.train import batches
-from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import StageConfig, stage_task
 
 
-class Config(StageConfig, TrainFields):
+class Config(StageConfig, TrainFields, SourceFields):
     policy_uri: str = Field(description="Model to fine-tune: a committed artifact or a plain HF folder on any URI (OpenRLHF --pretrain).")
     input_key: str = Field("input", description="Prompt key of raw rows.")
     output_key: str | None = Field("output", description="Response key of raw rows (None: last assistant message).")

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core import data, models, store
 from rlhf_core.train import batches
-from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import StageConfig, stage_task
 
 
-class Config(StageConfig, TrainFields):
+class Config(StageConfig, TrainFields, SourceFields):
     base_uri: str = Field(description="Model to start from, committed artifact or plain HF folder (a reward model, or a causal LM: the head is new then).")
     prompt_key: str | None = Field("prompt", description="Prompt key of raw rows.")
     chosen_key: str = Field("chosen", description="Chosen-response key of raw rows.")
@@ -26,6 +26,12 @@ class Config(StageConfig, TrainFields):
     use_margin: bool = Field(False, description="Subtract the rows' `margin` column inside the sigmoid (Llama-2).")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
+
+    @model_validator(mode="after")
+    def _margin_is_sigmoid_only(self):
+        if self.use_margin and self.loss != "sigmoid":  # OpenRLHF's LogExpLoss takes no margin
+            raise ValueError("use_margin applies to loss sigmoid only (the logexp loss has no margin term)")
+        return self
 
 
 def run(cfg: Config) -> store.Manifest:

@@ -1,7 +1,9 @@
 """The training child: `python -m rlhf_core.train.entry SPEC.json`, started by the deepspeed launcher
-(or torchrun) from rlhf_core.train.launch. One file for SFT, reward-model and DPO training; only the loss
-differs (rlhf_core.losses). The parent tokenized and validated the data; this process trains, checkpoints
-every `save_steps` to the store, saves the final model (safetensors) and writes result.json.
+(or torchrun) from rlhf_core.train.launch. Generic over the training method (sft, rm, dpo, kto, ...): the
+spec's `method` names a module of rlhf_core.train.methods, which says what model to load and how a
+micro-batch becomes a loss and metrics (protocol in methods/__init__.py). The parent tokenized and validated
+the data; this process trains, checkpoints every `save_steps` to the store, evaluates, saves the final model
+(safetensors) and writes result.json.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from rlhf_core import losses
 from rlhf_core.train import checkpoints
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
+from rlhf_core.train.methods import get as get_method
 
 
 def _say(rank: int, msg: str) -> None:
@@ -43,9 +46,16 @@ def init_distributed():
     return deepspeed, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cuda
 
 
-def load_model(spec: dict, cuda: bool):
+def _auto(method):
+    """The transformers class and extra from_pretrained kwargs of a method's MODEL."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if method.MODEL == "reward_model":
+        return AutoModelForSequenceClassification, {"num_labels": 1}
+    return AutoModelForCausalLM, {}
+
+
+def load_model(spec: dict, cuda: bool, method):
     dtype = torch.bfloat16 if spec["bf16"] else torch.float32
     kwargs = {}
     if spec.get("load_in_4bit"):  # QLoRA (arXiv:2305.14314): frozen NF4 base, double quantization, LoRA on top
@@ -56,9 +66,8 @@ def load_model(spec: dict, cuda: bool):
         kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
                   "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
-    auto = AutoModelForSequenceClassification if spec["method"] == "rm" else AutoModelForCausalLM
-    model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True,
-                                 **({"num_labels": 1} if spec["method"] == "rm" else {}), **kwargs)
+    auto, head = _auto(method)
+    model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True, **head, **kwargs)
     if spec.get("load_in_4bit"):
         from peft import prepare_model_for_kbit_training
 
@@ -68,7 +77,7 @@ def load_model(spec: dict, cuda: bool):
     if spec["lora_rank"] > 0:
         from peft import LoraConfig, get_peft_model
 
-        task = "SEQ_CLS" if spec["method"] == "rm" else "CAUSAL_LM"
+        task = "SEQ_CLS" if method.MODEL == "reward_model" else "CAUSAL_LM"
         model = get_peft_model(model, LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"],
                                                  lora_dropout=spec["lora_dropout"], task_type=task,
                                                  target_modules=spec["target_modules"] or "all-linear"))
@@ -106,85 +115,47 @@ def target_logps(engine, b) -> torch.Tensor:
     return losses.gathered_logprobs(logits, tokens)
 
 
-def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
-    """One forward over token lists: (summed target log-probs # (n,), target counts # (n,), real tokens) for
-    LMs, or (scalar rewards # (n,), None, real tokens) for a reward model (score head on each sample's last
-    token). `pairs`: seqs are k chosen then k rejected of the same prompts, forwarded as k rows sharing the
-    prompt (rlhf_core.train.batches.collate_pairs) unless packing_samples packs them into one row."""
+def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
+    """Token lists -> a Batch. `pairs`: seqs are k chosen then k rejected of the same prompts, collated as k
+    rows sharing the prompt (rlhf_core.train.batches.collate_pairs) unless packing_samples packs them."""
     if pairs and not spec["packing_samples"]:
         k = len(seqs) // 2
-        b = collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
-    else:
-        b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+        return collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
+    return collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+
+
+def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
+    """One LM forward over token lists: (summed target log-probs # (n,), target counts # (n,), real tokens).
+    `pairs`: as batch_of. (A reward model's forward is rlhf_core.train.methods.rm.rewards.)"""
+    b = batch_of(spec, seqs, starts, pad_id, pairs)
     dev = engine.device
-    model = getattr(engine, "module", engine)
-    if spec["method"] == "rm":
-        core = model.get_base_model() if hasattr(model, "get_base_model") else model
-        att = b.attention_mask.to(dev)
-        h = getattr(core, core.base_model_prefix)(input_ids=b.input_ids.to(dev), attention_mask=att,
-                                                  position_ids=b.position_ids.to(dev)).last_hidden_state
-        last = b.last.to(dev)
-        return core.score(h[last[:, 0], last[:, 1]]).squeeze(-1).float(), None, b.real_tokens
     lp = target_logps(engine, b)
     sample = b.targets()[3].to(dev)
     zeros = torch.zeros(b.n, dtype=lp.dtype, device=dev)
     return zeros.index_add(0, sample, lp), zeros.index_add(0, sample, torch.ones_like(lp)), b.real_tokens
 
 
-def step_loss(engine, spec: dict, recs: list[dict], pad_id: int):
-    """Loss (scalar) and detached per-example metrics of one micro-batch."""
-    m = spec["method"]
-    if m == "sft":
-        lp, n, tokens = forward(engine, spec, [r["ids"] for r in recs], [r["start"] for r in recs], pad_id)
-        loss = -lp.sum() / n.sum().clamp(min=1)  # token-level mean NLL (OpenRLHF's GPTLMLoss)
-        return loss, {"loss": loss.detach().expand(len(recs))}, tokens
-    seqs = [r["chosen_ids"] for r in recs] + [r["rejected_ids"] for r in recs]
-    starts = [r["chosen_start"] for r in recs] + [r["rejected_start"] for r in recs]
-    out, n, tokens = forward(engine, spec, seqs, starts, pad_id, pairs=True)  # chosen and rejected in one forward
-    k = len(recs)
-    dev = out.device
-    if m == "rm":
-        margin = torch.tensor([r.get("margin", 0.0) for r in recs], device=dev) if spec["use_margin"] else None
-        o = losses.pairwise_rm_loss(out[:k], out[k:], margin, spec["loss"])
-        return o.losses.mean(), {"loss": o.losses.detach(), **o.metrics}, tokens
-    ref_c = torch.tensor([r["ref_chosen_logp"] for r in recs], device=dev)
-    ref_r = torch.tensor([r["ref_rejected_logp"] for r in recs], device=dev)
-    o = losses.dpo_loss(out[:k], out[k:], ref_c, ref_r, spec["beta"], spec["loss_type"], spec["label_smoothing"])
-    per = o.losses
-    if spec["nll_loss_coef"] > 0:
-        per = per + spec["nll_loss_coef"] * losses.nll_per_token(out[:k], n[:k])
-    return per.mean(), {"loss": per.detach(), **o.metrics}, tokens
-
-
-def evaluate(engine, spec: dict, records: list[dict], rank: int, world: int, pad_id: int) -> dict:
-    """Metrics over the whole training set after training (rm: accuracy and reward mean/std; dpo: margins)."""
+def evaluate(engine, spec: dict, method, records: list[dict], rank: int, world: int, pad_id: int) -> dict:
+    """The method's final metrics over the whole training set after training: each per-example metric of
+    `method.step` summed over every record (all ranks), then `method.summarize(totals, n)`."""
     import torch.distributed as dist
 
     sums: dict[str, float] = {}
     engine.eval()
+    mb = spec["micro_train_batch_size"]
     with torch.no_grad():
-        for k in range(rank * spec["micro_train_batch_size"], len(records), world * spec["micro_train_batch_size"]):
-            recs = records[k:k + spec["micro_train_batch_size"]]
-            _, met, _ = step_loss(engine, spec, recs, pad_id)
+        for k in range(rank * mb, len(records), world * mb):
+            _, met, _ = method.step(engine, spec, records[k:k + mb], pad_id)
             for name, v in met.items():
                 sums[name] = sums.get(name, 0.0) + float(v.sum())
-            if spec["method"] == "rm":
-                r = torch.cat([met["chosen_reward"], met["rejected_reward"]])
-                sums["r_sum"] = sums.get("r_sum", 0.0) + float(r.sum())
-                sums["r_sq"] = sums.get("r_sq", 0.0) + float((r * r).sum())
     names = sorted(sums)
     t = torch.tensor([sums[n] for n in names], dtype=torch.float64)
     dist.all_reduce(t)
-    tot = dict(zip(names, t.tolist()))
-    out = {f"final_{n}": tot[n] / len(records) for n in names if n not in ("r_sum", "r_sq")}
-    if spec["method"] == "rm":
-        mean = tot["r_sum"] / (2 * len(records))
-        out["reward_mean"], out["reward_std"] = mean, math.sqrt(max(tot["r_sq"] / (2 * len(records)) - mean ** 2, 1e-12))
     engine.train()
-    return out
+    return method.summarize(dict(zip(names, t.tolist())), len(records))
 
 
-def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
+def save_final(engine, spec: dict, method, rank: int, extra_config: dict) -> None:
     """save_pretrained (safetensors) + tokenizer; ZeRO-3 weights gathered; LoRA: adapter and merged model."""
     from transformers import AutoTokenizer
 
@@ -199,11 +170,9 @@ def save_final(engine, spec: dict, rank: int, extra_config: dict) -> None:
         model.save_pretrained(str(out / "adapter"), safe_serialization=True)
         if spec["lora_merge"] and spec.get("load_in_4bit"):  # merge into the unquantized base, not into NF4 weights
             from peft import PeftModel
-            from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-            auto = AutoModelForSequenceClassification if spec["method"] == "rm" else AutoModelForCausalLM
-            base = auto.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if spec["bf16"] else torch.float32,
-                                        **({"num_labels": 1} if spec["method"] == "rm" else {}))
+            auto, head = _auto(method)
+            base = auto.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if spec["bf16"] else torch.float32, **head)
             PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload().save_pretrained(str(out))
         elif spec["lora_merge"]:
             model.merge_and_unload().save_pretrained(str(out), safe_serialization=True)
@@ -274,7 +243,8 @@ def main(spec_ref: str) -> None:
     plan = BatchPlan([seq_len(r) for r in records], spec["train_batch_size"], spec["micro_train_batch_size"], world,
                      spec["seed"], spec["max_epochs"], spec["length_bucketing"])
     total = plan.total_steps
-    model = load_model(spec, cuda)
+    method = get_method(spec["method"])
+    model = load_model(spec, cuda, method)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec["learning_rate"], betas=tuple(spec["adam_betas"]), weight_decay=spec["l2"])
     warm = max(1, math.ceil(spec["lr_warmup_ratio"] * total))
@@ -311,7 +281,7 @@ def main(spec_ref: str) -> None:
             time.sleep(spec["step_sleep"])
         acc: dict[str, float] = {}
         for mb in plan.micro_batches(step, rank):
-            loss, met, ntok = step_loss(engine, spec, [records[i] for i in mb], pad_id)
+            loss, met, ntok = method.step(engine, spec, [records[i] for i in mb], pad_id)
             engine.backward(loss)
             engine.step()
             tokens_done += ntok
@@ -330,17 +300,15 @@ def main(spec_ref: str) -> None:
     train_s = time.time() - t0
     tok = torch.tensor([tokens_done], dtype=torch.float64)
     dist.all_reduce(tok)
-    final = evaluate(engine, spec, records, rank, world, pad_id) if spec["method"] != "sft" else {}
-    extra = {"reward_mean": final["reward_mean"], "reward_std": final["reward_std"]} if spec["method"] == "rm" else {}
-    save_final(engine, spec, rank, extra)
+    final = evaluate(engine, spec, method, records, rank, world, pad_id) if hasattr(method, "summarize") else {}
+    save_final(engine, spec, method, rank, method.saved_config(final) if hasattr(method, "saved_config") else {})
     if rank == 0:
         seen = [i for h in history for i in h["samples"]]
         result = {"steps_done": len(history) and history[-1]["step"], "planned_steps": total, "samples_seen": len(seen),
                   "resumed_from_step": start, "tokens_per_s": float(tok[0]) / max(train_s, 1e-9) if total > start else 0.0,
                   "train_seconds": train_s, "history": history, **final}
-        for k in ("loss", "reward_margin", "accuracy", "reward_accuracy"):
-            if history and k in history[0]:
-                result[f"first_{k}"], result[f"last_{k}"] = history[0][k], history[-1][k]
+        for k in (k for k in (history[0] if history else {}) if k not in ("step", "samples", "lr")):  # every logged metric
+            result[f"first_{k}"], result[f"last_{k}"] = history[0][k], history[-1][k]
         (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(result))
         print(f"done: {result['steps_done']}/{total} steps, {result['samples_seen']} samples", flush=True)
     dist.barrier()

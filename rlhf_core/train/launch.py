@@ -29,9 +29,6 @@ class TrainFields(BaseModel):
     """Training keys shared by sft / train_rm / dpo, named as OpenRLHF's CLI flags."""
 
     dataset_uri: str = Field(description="Committed artifact, or raw source(s) 'a.jsonl,b.parquet' (OpenRLHF --dataset).")
-    dataset_probs: str | None = Field(None, description="Mixing probabilities of comma-separated sources, e.g. '0.7,0.3'.")
-    apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
-    input_template: str | None = Field(None, description="e.g. 'User: {}\\nAssistant: ' (without chat template).")
     tokenizer_chat_template: str | None = Field(None, description="Jinja chat template replacing the tokenizer's "
                                                 "(OpenRLHF --tokenizer_chat_template); saved with the trained model.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows.")
@@ -91,11 +88,19 @@ class TrainFields(BaseModel):
         return self
 
 
+class SourceFields(BaseModel):
+    """How raw OpenRLHF-format sources become rows: only for stages that read raw sources (not dpo, whose
+    input is a committed reference artifact)."""
+
+    dataset_probs: str | None = Field(None, description="Mixing probabilities of comma-separated sources, e.g. '0.7,0.3'.")
+    apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
+    input_template: str | None = Field(None, description="e.g. 'User: {}\\nAssistant: ' (without chat template).")
+
+
 TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
                  "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
                  "wandb_project", "wandb_run_name"}
-SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "dataset_probs", "apply_chat_template", "input_template",
-                                             "max_samples", "max_len", "overlong"}
+SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "max_len", "overlong"}
 
 
 def check_hardware(cfg) -> None:

@@ -156,3 +156,23 @@ def test_conditional_sft_trains_on_reward_buckets_and_evaluates_both_targets_on_
     assert max(map(len, by_tag.values())) - min(map(len, by_tag.values())) <= 2  # equal-count buckets
     assert all(r["prompt"].endswith(" <rm_score>: 4 ") for r in store.read_table(f"{s3_root}/csft/iter-1/eval").to_pylist())
     assert all(r["prompt"].endswith(" <rm_score>: 0 ") for r in store.read_table(f"{s3_root}/csft/iter-1/eval_low").to_pylist())
+
+
+def test_iterative_loop_with_kto_raises_gold_reward_on_s3(demo_run, s3_root):
+    """trainer=kto: the pairs filter's output trains through the kto stage (no separate reference stage);
+    one iteration from the demo's SFT policy raises the held-out gold reward. The dpo settings of a
+    trainer=kto run would be ignored: refused before any work."""
+    from flows.iterative_dpo import Params, checks, iterative_dpo
+    from stages.common import ConfigError
+
+    kto_cfg = {"beta": 0.1, "learning_rate": 5.0e-4, "max_epochs": 2, "micro_train_batch_size": 16, "train_batch_size": 16,
+               "max_len": 48}
+    params = _loop_params(demo_run, s3_root, run_name="kto", iterations=1, trainer="kto", kto=kto_cfg)
+    with pytest.raises(ConfigError, match="trainer=kto does not read dpo settings"):
+        checks(Params(**{**params, "dpo": {"beta": 0.2}}))
+    report = iterative_dpo(Params(**params))
+    gold = [r["gold_reward"] for r in report["iterations"]]
+    assert report["stop_reason"] == "completed all iterations" and gold[0] < gold[1], gold
+    m = store.read_manifest(f"{s3_root}/kto/iter-1/kto")
+    assert m.stage == "kto" and m.metrics["final_reward_gap"] > 0 and report["iterations"][1]["kto_reward_gap"] > 0
+    assert not store.committed_any(f"{s3_root}/kto/iter-1/reference")

@@ -20,25 +20,27 @@ def test_reduce_tokens_token_vs_sequence():
         losses.reduce_tokens(v, m, "batch")
 
 
-def test_token_logprobs_and_sequence_sum():
-    """Uniform logits over V=4: every log-prob is log(1/4); 2 masked response tokens sum to 2 log(1/4)."""
+def test_token_logprobs():
+    """Uniform logits over V=4: every log-prob is log(1/4)."""
     logits = torch.zeros(1, 3, 4)
     ids = torch.tensor([[0, 1, 2]])
     lp = losses.token_logprobs(logits, ids)
     assert lp.shape == (1, 2)
     assert torch.allclose(lp, torch.full((1, 2), math.log(0.25)))
-    assert losses.sequence_logps(lp, torch.tensor([[1, 1]])).item() == pytest.approx(2 * math.log(0.25))
     # a peaked logit: logits [0, ln 3, 0, 0] -> p(token 1) = 3/6 = 0.5
     logits2 = torch.zeros(1, 2, 4)
     logits2[0, 0, 1] = math.log(3)
     assert losses.token_logprobs(logits2, torch.tensor([[0, 1]])).item() == pytest.approx(math.log(0.5), abs=1e-6)
 
 
-def test_sft_loss_masks_prompt():
-    """logps [[-1,-2,-3]], mask [[0,1,1]] -> NLL mean over masked = (2+3)/2 = 2.5."""
-    out = losses.sft_loss(t(-1, -2, -3).unsqueeze(0), torch.tensor([[0, 1, 1]]))
-    assert out.losses.item() == pytest.approx(2.5)
-    assert out.metrics["tokens"].item() == 2
+def test_sft_loss_is_token_level():
+    """sums [-6, -2] over [3, 1] tokens: shares 6/4, 2/4 = [1.5, 0.5], batch loss 8/4 = 2.0 (token-level; the
+    sequence-level mean of 2.0 and 2.0 would also be 2.0, so a third: sum -1 over 4 tokens -> 9/8 = 1.125
+    token-level vs (2 + 2 + 0.25)/3 = 1.4167 sequence-level)."""
+    out = losses.sft_loss(t(-6, -2), torch.tensor([3, 1]))
+    assert out.losses.tolist() == pytest.approx([1.5, 0.5])
+    assert out.metrics["nll"].tolist() == pytest.approx([2.0, 2.0])
+    assert losses.sft_loss(t(-6, -2, -1), torch.tensor([3, 1, 4])).losses.sum().item() == pytest.approx(1.125)
 
 
 def test_pairwise_rm_loss():
@@ -53,6 +55,8 @@ def test_pairwise_rm_loss():
     assert losses.pairwise_rm_loss(t(2, 0), t(1, 1), kind="logexp").losses.tolist() == pytest.approx([0.313262, 1.313262], abs=1e-6)
     with pytest.raises(ValueError, match="unknown reward-model loss"):
         losses.pairwise_rm_loss(t(1), t(0), kind="hinge")
+    with pytest.raises(ValueError, match="logexp reward-model loss takes no margin"):
+        losses.pairwise_rm_loss(t(1), t(0), margin=t(1), kind="logexp")
 
 
 def test_dpo_sigmoid_ipo_cdpo():
@@ -72,6 +76,8 @@ def test_dpo_sigmoid_ipo_cdpo():
         losses.dpo_loss(*args, beta=0.0)
     with pytest.raises(ValueError, match="unknown DPO loss type"):
         losses.dpo_loss(*args, beta=0.5, loss_type="kto")
+    with pytest.raises(ValueError, match="label_smoothing .* sigmoid loss only, not ipo"):
+        losses.dpo_loss(*args, beta=0.5, loss_type="ipo", label_smoothing=0.1)
 
 
 def test_dpo_gradient_flows_only_through_policy():
@@ -86,3 +92,39 @@ def test_dpo_gradient_flows_only_through_policy():
 def test_nll_per_token():
     """sum logp -6 over 3 tokens -> 2.0."""
     assert losses.nll_per_token(t(-6), torch.tensor([3])).item() == pytest.approx(2.0)
+
+
+def test_kto_loss_hand_values():
+    """beta 0.5, z0 = 0. Desirable r = 2 (policy -1, ref -3): 1 - sigmoid(1) = 0.268941.
+    Undesirable r = 2, w_U = 2: 2 (1 - sigmoid(-1)) = 2 * 0.731059 = 1.462117.
+    Undesirable r = -2: 2 (1 - sigmoid(1)) = 0.537883. Implied rewards 0.5 r = 1, 1, -1."""
+    out = losses.kto_loss(t(-1, -1, -5), t(-3, -3, -3), torch.tensor([True, False, False]), 0.0, beta=0.5,
+                          undesirable_weight=2.0)
+    assert out.losses.tolist() == pytest.approx([0.268941, 1.462117, 0.537883], abs=1e-6)
+    assert out.metrics["reward"].tolist() == pytest.approx([1.0, 1.0, -1.0])
+    assert out.metrics["desirable_reward"].tolist() == pytest.approx([1.0, 0.0, 0.0])
+    assert out.metrics["undesirable_reward"].tolist() == pytest.approx([0.0, 1.0, -1.0])
+
+
+def test_kto_reference_point_from_mismatched_pairs():
+    """z0 = mean(pi - ref) over mismatched pairs: policy [-2, -2], ref [-3, -4] -> mean(1, 2) = 1.5.
+    Desirable r = 2, beta 1: 1 - sigmoid(2 - 1.5) = 1 - sigmoid(0.5) = 0.377541; undesirable r = 2:
+    1 - sigmoid(1.5 - 2) = sigmoid(0.5) = 0.622459. A negative estimate is clamped to 0: policy [-4], ref [-3]
+    -> kl -1, loss as with z0 = 0: 1 - sigmoid(2) = 0.119203. No gradient flows into z0."""
+    pk = t(-2, -2).requires_grad_()
+    kl = losses.kto_kl(pk, t(-3, -4))
+    assert kl.item() == pytest.approx(1.5) and not kl.requires_grad
+    out = losses.kto_loss(t(-1, -1), t(-3, -3), torch.tensor([True, False]), kl, beta=1.0)
+    assert out.losses.tolist() == pytest.approx([0.377541, 0.622459], abs=1e-6)
+    assert out.metrics["kl"].tolist() == pytest.approx([1.5, 1.5])
+    neg = losses.kto_loss(t(-1), t(-3), torch.tensor([True]), losses.kto_kl(t(-4), t(-3)), beta=1.0)
+    assert neg.losses.item() == pytest.approx(0.119203, abs=1e-6)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        losses.kto_loss(t(-1), t(-1), torch.tensor([True]), 0.0, beta=0.0)
+
+
+def test_kto_gradient_raises_desirable_and_lowers_undesirable():
+    """d loss / d log pi < 0 for a desirable example (raising it lowers the loss), > 0 for an undesirable one."""
+    p = t(-2, -2).requires_grad_()
+    losses.kto_loss(p, t(-2, -2), torch.tensor([True, False]), 0.0, beta=0.1).losses.sum().backward()
+    assert p.grad[0] < 0 < p.grad[1]

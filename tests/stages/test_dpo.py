@@ -80,6 +80,11 @@ def test_dpo_bad_input(tiny, ref_pairs, tmp_path):
         dpo.Config(**base, beta=0.0)
     with pytest.raises(ValidationError, match="loss_type\n.*'sigmoid' or 'ipo'"):
         dpo.Config(**base, loss_type="kto")
+    with pytest.raises(ValidationError, match="label_smoothing \\(cDPO\\) applies to loss_type sigmoid only, not 'ipo'"):
+        dpo.Config(**base, loss_type="ipo", label_smoothing=0.1)
+    for unread in ("dataset_probs", "apply_chat_template", "input_template"):  # dpo reads a reference artifact only
+        with pytest.raises(ValidationError, match=f"{unread}\n.*Extra inputs are not permitted"):
+            dpo.Config(**base, **{unread: "x"})
     with pytest.raises(ConfigError, match=r"max_len/overlong/bf16 \(32, 'truncate', False\) differ from the reference pass"):
         dpo.run(dpo.Config(**{**base, "max_len": 32}))
     with pytest.raises(ConfigError, match=r"max_len/overlong/bf16 \(64, 'truncate', True\) differ from the reference pass"):

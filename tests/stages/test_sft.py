@@ -220,6 +220,7 @@ def test_pairs_sharing_their_prompt_equal_two_rows(tiny, method):
     from rlhf_core import losses
     from rlhf_core.train.batches import collate, collate_pairs, per_sample_sum, tokenize_pairs
     from rlhf_core.train.entry import forward
+    from rlhf_core.train.methods import rm as rm_method
 
     tok = AutoTokenizer.from_pretrained(str(tiny.policy_dir))
     recs, _ = tokenize_pairs(demo_task.preference_rows(4, seed=3), tok, 64)
@@ -233,7 +234,10 @@ def test_pairs_sharing_their_prompt_equal_two_rows(tiny, method):
     else:
         model = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir), dtype=torch.float32)
     spec = {"method": method, "packing_samples": False}
-    shared, _, _ = forward(model, spec, c + r, cs + rs, tok.pad_token_id, pairs=True)
+    if method == "rm":  # the reward model's forward is its method's (rlhf_core.train.methods.rm)
+        shared, _ = rm_method.rewards(model, spec, c + r, cs + rs, tok.pad_token_id)
+    else:
+        shared, _, _ = forward(model, spec, c + r, cs + rs, tok.pad_token_id, pairs=True)
     g_shared = torch.autograd.grad(shared.sum(), [p for p in model.parameters() if p.requires_grad])
     b = collate(c + r, cs + rs, tok.pad_token_id)
     if method == "rm":

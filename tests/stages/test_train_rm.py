@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from rlhf_core import data, demo_task, store
@@ -59,4 +60,7 @@ def test_bad_pairs_refused(tiny, tmp_path):
                           train_batch_size=1, micro_train_batch_size=1)
     with pytest.raises(data.DataError, match="prompt_only.jsonl row 0: missing key 'chosen'"):
         train_rm.run(cfg)
+    with pytest.raises(ValidationError, match="use_margin applies to loss sigmoid only"):
+        train_rm.Config(base_uri=tiny.reward_uri, dataset_uri=str(src), output_uri=str(tmp_path / "o"), loss="logexp",
+                        use_margin=True)
     assert not store.committed_any(str(tmp_path / "o"))

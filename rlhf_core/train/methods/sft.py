@@ -1,0 +1,15 @@
+"""Supervised fine-tuning: token-level mean NLL of the response tokens (all tokens in pretrain_mode; the
+stage sets `start`), OpenRLHF's GPTLMLoss."""
+from __future__ import annotations
+
+from rlhf_core import losses
+from rlhf_core.train.entry import forward
+
+MODEL = "causal_lm"
+
+
+def step(engine, spec: dict, recs: list[dict], pad_id: int):
+    lp, n, tokens = forward(engine, spec, [r["ids"] for r in recs], [r["start"] for r in recs], pad_id)
+    o = losses.sft_loss(lp, n)
+    loss = o.losses.sum()
+    return loss, {"loss": loss.detach().expand(len(recs))}, tokens
