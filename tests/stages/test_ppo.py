@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store, tiny as tiny_mod
+from rlhf_core import agent, data, demo_task, store, tiny as tiny_mod
+from rlhf_core.ppo import loop
 from rlhf_core.rewards import RewardError
 from stages import ppo, sft
 from stages.common import ConfigError, load_config
@@ -320,3 +321,55 @@ def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
             os.killpg(head.pid, signal.SIGKILL)
         kill_marked(marker)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- agents
+AGENT_DEMO = str(ROOT / "configs" / "agents" / "review_retry.py")
+
+
+@pytest.mark.slow
+def test_multi_turn_agent_demo_reward_rises(warm, tmp_path, monkeypatch, capsys):
+    """configs/ppo_agent_demo.yaml through the README's command: the review_retry environment sends weak reviews
+    back (feedback appended, masked out of the loss), REINFORCE++-baseline; the episode reward rises over the
+    run and retries improve on the first review."""
+    from flows.cli import main
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "agent"
+    assert main(["stage", "ppo", f"policy_uri={warm.policy}", f"prompts_uri={warm.prompts}", f"output_uri={out}",
+                 "max_samples=48", "--config", "configs/ppo_agent_demo.yaml"]) == 0
+    log = json.loads((out / "training_log.json").read_text())
+    rewards = [round(h["reward"], 3) for h in log]
+    print("agent demo rewards", rewards, "turns", [round(h["agent_turns"], 2) for h in log],
+          "first review", [round(h["agent_first_reward"], 3) for h in log])
+    assert len(log) == 6 and all(1 < h["agent_turns"] <= 3 for h in log[:2])  # weak reviews were sent back
+    assert all(h["agent_accepted"] >= 0 and "agent_tries" in h for h in log)  # extra_logs -> metrics
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1
+    assert changed_fraction(warm.policy_dir, out) > 0.9
+
+
+def test_agent_file_errors_before_ray_nothing_written(warm, tmp_path):
+    no_class = tmp_path / "no_class.py"
+    no_class.write_text("class Env:\n    pass\n")
+    lacks = tmp_path / "lacks_done.py"
+    lacks.write_text(Path(AGENT_DEMO).read_text().replace('"done": done,', ""))
+    for path, message in ((no_class, "defines no class AgentInstance"), (lacks, "step's result has no 'done' key")):
+        with pytest.raises(agent.AgentError, match=message) as e:
+            ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(path)))
+        assert str(path) in str(e.value)
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_agent_step_raising_mid_run_fails_the_stage_cleanly(warm, tmp_path):
+    """Turn 1 passes the probe; turn 2 of one episode raises: the error names the file, episode and turn, and
+    nothing is committed."""
+    bad = tmp_path / "raises.py"
+    bad.write_text(Path(AGENT_DEMO).read_text().replace(
+        "        self.tries += 1\n",
+        "        self.tries += 1\n        if self.tries == 2:\n            raise KeyError('env lost its state')\n"))
+    with pytest.raises(loop.RolloutError, match=rf"{bad}: episode \d+ \(prompt \d+, sample \d\) of step 1 .*, turn 2: "
+                                               rf"step raised KeyError"):
+        ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(bad), max_turns=3,
+                         generate_max_len=30))
+    assert not store.committed_any(str(tmp_path / "out"))
