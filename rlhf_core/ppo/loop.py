@@ -173,7 +173,7 @@ def learner_settings(cfg) -> dict:
     keys = ("seed", "bf16", "gradient_checkpointing", "actor_learning_rate", "critic_learning_rate", "adam_betas", "l2",
             "lr_warmup_ratio", "min_lr_ratio", "train_batch_size", "micro_train_batch_size", "max_norm", "zero_stage",
             "max_epochs", "generate_max_len", "dual_clip", "use_kl_loss", "kl_estimator", "entropy_loss_coef",
-            "value_clip", "reward_max_len")
+            "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
             "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
 
@@ -189,40 +189,76 @@ def executor(cfg, roles: Roles, tok, agent_cls, step: int):
                     max_turns=cfg.max_turns if agent_cls else 1, agent_cls=agent_cls)
 
 
-def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]], idx: list[int], step: int, tok,
-            pad_id: int, reward_spec, agent_cls=None, where: str = "") -> dict:
-    """Token in, token out: n episodes per prompt of `idx` through the agent executor (one turn and the run's
-    reward source without an agent file; the agent's own turns and rewards with one), grouped by prompt
-    (n consecutive rows). Returns the experience the training step needs: the collated batch (with the action
-    mask and the rollout log-probs), raw rewards, scores, the prompt index of each row and metrics."""
+def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spec, agent_cls, where, rnd: int):
+    """n episodes per prompt of `idx` -> (episodes, rewards, scores, extra metrics)."""
     from rlhf_core.agent import AgentError, run_episodes
 
     n = cfg.n_samples_per_prompt
     items = [(k, prompts[i]["prompt"], prompt_ids[i], prompts[i].get("label")) for k, i in
              enumerate(i for i in idx for _ in range(n))]
-    t0 = time.perf_counter()
     try:
-        eps = run_episodes(executor(cfg, roles, tok, agent_cls, step), items,
+        eps = run_episodes(executor(cfg, roles, tok, agent_cls, step * 1009 + rnd), items,
                            lambda k: f" (prompt {idx[k // n]}, sample {k % n + 1}) of {where}")
     except AgentError as e:
         raise RolloutError(str(e)) from None
-    t_gen = time.perf_counter() - t0
+    if agent_cls is not None:
+        return eps, [e.reward for e in eps], [e.score for e in eps], {}
+    raw, scores, extra = rewards_for(cfg, reward_spec, roles, [it[1] for it in items], [e.text for e in eps],
+                                     [it[3] for it in items], where)
+    return eps, list(raw), list(scores), {f"reward_{k}": v for k, v in extra.items()}
+
+
+def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]], idx: list[int], step: int, tok,
+            pad_id: int, reward_spec, agent_cls=None, where: str = "") -> dict:
+    """Token in, token out: n episodes per prompt of `idx` through the agent executor (one turn and the run's
+    reward source without an agent file; the agent's own turns and rewards with one), grouped by prompt
+    (n consecutive rows). Returns the experience the training step needs: the collated batch (with the action
+    mask and the rollout log-probs), raw rewards, scores, the prompt index of each row and metrics.
+
+    dynamic_filtering (DAPO's dynamic sampling, arXiv:2503.14476 sec. 3.2; OpenRLHF --dynamic_filtering): a
+    group whose mean score is not strictly inside dynamic_filtering_reward_range (all right or all wrong: no
+    learning signal for a group baseline) is dropped, and more prompts (not in this step's batch, in a
+    permutation seeded by step) are sampled for the shortfall, at most dynamic_filtering_max_rounds extra
+    rounds; a batch still short is filled with dropped groups (counted), so every step trains on
+    rollout_batch_size groups."""
+    n, R = cfg.n_samples_per_prompt, cfg.rollout_batch_size
     t0 = time.perf_counter()
-    extra = {}
-    if agent_cls is None:
-        raw, scores, extra = rewards_for(cfg, reward_spec, roles, [it[1] for it in items], [e.text for e in eps],
-                                         [it[3] for it in items], where)
-        extra = {f"reward_{k}": v for k, v in extra.items()}
-    else:
-        raw, scores = [e.reward for e in eps], [e.score for e in eps]
+    eps, raw, scores, extra = _episodes(cfg, roles, prompts, prompt_ids, idx, step, tok, reward_spec, agent_cls, where, 0)
+    groups = [(i, eps[k * n:(k + 1) * n], raw[k * n:(k + 1) * n], scores[k * n:(k + 1) * n]) for k, i in enumerate(idx)]
+    if cfg.dynamic_filtering:
+        low, high = cfg.dynamic_filtering_reward_range
+        used = set(idx)
+        pool = [i for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed * 7 + step)).tolist()
+                if i not in used]
+        kept, dropped, rounds, sampled = [], [], 0, len(groups)
+        while True:
+            for g in groups:
+                (kept if low < sum(g[3]) / n < high else dropped).append(g)
+            if len(kept) >= R or rounds >= cfg.dynamic_filtering_max_rounds or not pool:
+                break
+            rounds += 1
+            more, pool = pool[:R - len(kept)], pool[R - len(kept):]
+            e2, r2, s2, _ = _episodes(cfg, roles, prompts, prompt_ids, more, step, tok, reward_spec, agent_cls,
+                                      f"{where}, dynamic sampling round {rounds}", rounds)
+            groups = [(i, e2[k * n:(k + 1) * n], r2[k * n:(k + 1) * n], s2[k * n:(k + 1) * n]) for k, i in enumerate(more)]
+            sampled += len(groups)
+        filled = max(0, R - len(kept))
+        extra.update(dynamic_filtering_kept=min(len(kept), R), dynamic_filtering_dropped=len(dropped),
+                     dynamic_filtering_rounds=rounds, dynamic_filtering_filled=filled,
+                     dynamic_filtering_sampled=sampled)
+        groups = kept[:R] + dropped[:filled]
+    eps = [e for g in groups for e in g[1]]
+    raw, scores = [r for g in groups for r in g[2]], [s for g in groups for s in g[3]]
+    t_gen = time.perf_counter() - t0
+    if agent_cls is not None:
         for key in sorted({k for e in eps for k in e.extra_logs}):
             vals = [e.extra_logs[key] for e in eps if key in e.extra_logs]
             extra[f"agent_{key}"] = sum(vals) / len(vals)
         extra["agent_turns"] = sum(e.turns for e in eps) / len(eps)
     batch = collate([e.prompt_ids for e in eps], [e.ids for e in eps], pad_id, [e.action_mask for e in eps],
                     [e.logprobs for e in eps])
-    return {"batch": batch, "raw": list(raw), "scores": list(scores), "rows": [idx[k // n] for k in range(len(eps))],
-            "metrics": extra, "rollout_s": t_gen, "reward_s": time.perf_counter() - t0}
+    return {"batch": batch, "raw": raw, "scores": scores, "prompt_indices": [g[0] for g in groups],
+            "metrics": extra, "rollout_s": t_gen}
 
 
 def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
@@ -274,7 +310,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             # 1. rollout through the agent executor: token ids in, token ids + per-token log-probs out; rewards
             exp0 = rollout(cfg, roles, prompts, prompt_ids, idx, step, tok, pad_id, reward_spec, agent_cls, where)
             batch, raw, extra = exp0["batch"], exp0["raw"], exp0["metrics"]
-            t_rollout, t_reward = exp0["rollout_s"], exp0["reward_s"]
+            t_rollout, idx = exp0["rollout_s"], exp0["prompt_indices"]
             # 2. normalisation
             scores = torch.tensor(raw, dtype=torch.float32)
             if cfg.normalize_reward:
@@ -314,7 +350,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                    "response_length": float(mask.sum(-1).mean()), "advantage_abs": float((adv.abs() * mask).sum() / mask.sum()),
                    "rollout_logprob_gap": rollout_logprob_gap(batch, old_logp),
                    "actor_trained": actor_trained, **metrics, **extra,
-                   "rollout_s": t_rollout, "reward_s": t_reward, "reference_s": t_ref, "train_s": t_train,
+                   "rollout_s": t_rollout, "reference_s": t_ref, "train_s": t_train,
                    "weight_sync_s": t_sync}
             if cfg.debug_step_sleep:
                 time.sleep(cfg.debug_step_sleep)

@@ -157,3 +157,52 @@ def test_step_that_raises_names_episode_and_turn(engine, tok, tmp_path):
     asyncio.run(agent.probe(cls, [(0, "p", [], "label1")]))  # turn 1 passes the probe
     with pytest.raises(agent.AgentError, match=rf"{path}: episode 1 \(x\), turn 2: step raised ValueError: the environment broke"):
         agent.run_episodes(make_executor(engine, tok, cls, first_max_tokens=4), items(tok, 3), lambda k: " (x)")
+
+
+# ---------------------------------------------------------------------------------------------- dynamic sampling
+def test_dynamic_filtering_keeps_in_range_groups_and_counts_rounds(engine, tok, tmp_path):
+    """The reward depends on the prompt only: prompts #0..#3 score 1 (every sample right: a group mean of 1,
+    outside (0, 1)), the rest 0.5. Step batch [0, 1, 4, 5] keeps 4, 5 and samples 2 more prompts from the
+    others (seeded permutation) until 4 in-range groups are kept; with max_rounds 0 the batch is filled up."""
+    from types import SimpleNamespace
+
+    from rlhf_core.ppo import loop
+    from rlhf_core.rewards import RewardSpec
+    from stages import ppo
+
+    fn = tmp_path / "reward.py"
+    fn.write_text("def reward_func(queries, prompts, labels):\n"
+                  "    return [1.0 if int(p.split()[0][1:]) < 4 else 0.5 for p in prompts]\n")
+    prompts = [{"prompt": f"#{i} Review of the movie: "} for i in range(12)]
+    ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in prompts]
+    roles = SimpleNamespace(rollouts=[engine], reward=None)
+
+    def run(**over):
+        cfg = ppo.Config(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path=str(fn),
+                         advantage_estimator="rloo", n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=8,
+                         generate_max_len=4, dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.0), **over)
+        return loop.rollout(cfg, roles, prompts, ids, [0, 1, 4, 5], 0, tok, 0, RewardSpec(func_path=str(fn)))
+
+    exp = run()
+    m = exp["metrics"]
+    assert exp["prompt_indices"][:2] == [4, 5] and all(i >= 4 for i in exp["prompt_indices"])
+    assert exp["raw"] == [0.5] * 8 and exp["batch"]["ids"].shape[0] == 8
+    assert m["dynamic_filtering_kept"] == 4 and m["dynamic_filtering_filled"] == 0
+    # the extra rounds sampled the shortfall: every sampled group was kept or dropped, the dropped ones are
+    # exactly the groups of prompts 0..3 (2 from the batch, and any of 2, 3 drawn from the pool)
+    assert 1 <= m["dynamic_filtering_rounds"] <= 4 and 2 <= m["dynamic_filtering_dropped"] <= 4
+    assert m["dynamic_filtering_sampled"] == m["dynamic_filtering_kept"] + m["dynamic_filtering_dropped"]
+    exp = run(dynamic_filtering_max_rounds=0)
+    m = exp["metrics"]
+    assert (m["dynamic_filtering_rounds"], m["dynamic_filtering_kept"], m["dynamic_filtering_dropped"],
+            m["dynamic_filtering_filled"]) == (0, 2, 2, 2)
+    assert exp["prompt_indices"] == [4, 5, 0, 1] and exp["raw"] == [0.5] * 4 + [1.0] * 4
+
+
+def test_dynamic_filtering_range_low_must_be_below_high():
+    from stages import ppo
+    from stages.common import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"dynamic_filtering_reward_range low must be < high, got \(1.0, 0.0\)"):
+        load_config(ppo.Config, None, dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="f.py",
+                                           advantage_estimator="rloo", n_samples_per_prompt=2, dynamic_filtering=True, dynamic_filtering_reward_range=(1.0, 0.0)))

@@ -153,10 +153,12 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
                      **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32, "micro_train_batch_size": 8},
                      advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=1, zero_stage=3,
                      actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, actor_learning_rate=1e-4,
-                     init_kl_coef=0.01, save_value_network=True)
+                     init_kl_coef=0.01, save_value_network=True, enable_vllm_is_correction=True, use_icepop=True)
     m = ppo.run(cfg)
     log = json.loads((tmp_path / "z3" / "training_log.json").read_text())
     assert m.metrics["steps_done"] == 2 and all(h["rollout_logprob_gap"] < 1e-3 for h in log)
+    # the rollout log-probs reached the learners' ranks: the ICEPOP weights are the ratio, ~1, none masked
+    assert all(abs(h["is_weight"] - 1) < 1e-2 and h["is_masked"] == 0 for h in log)
     assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9
     assert changed_fraction(tiny.reward_dir, tmp_path / "z3" / "critic") > 0.5
 
@@ -173,6 +175,10 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     (dict(micro_train_batch_size=3, train_batch_size=8, rollout_batch_size=8), "not divisible by micro_train_batch_size"),
     (dict(eps_clip=0), "eps_clip"),
     (dict(eps_clip=-0.1), "eps_clip"),
+    (dict(dynamic_filtering=True, dynamic_filtering_reward_range=(0.5, 0.5)), r"dynamic_filtering_reward_range low must be < high"),
+    (dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=(2.0, 1.0)), r"vllm_is_truncated_threshold low must be < high"),
+    (dict(use_icepop=True), "use_icepop needs enable_vllm_is_correction"),
+    (dict(agent_func_path="env.py"), r"agent_func_path gives the rewards .*: drop \['reward_func_path'\]"),
 ])
 def test_bad_config_is_refused_by_name(over, message, tmp_path):
     base = dict(policy_uri="p", prompts_uri="q", output_uri=str(tmp_path / "out"), reward_func_path=demo_task.__file__,
