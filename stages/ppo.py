@@ -9,8 +9,12 @@ rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce
 group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
 prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
 Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in the
-actor's process, weights reloaded in place). Left out: a torch.distributed weight-sync group (weights go
-through Ray's object store), agents, async training, dynamic sampling and hybrid placement (issue 12).
+actor's process, weights reloaded in place). Every rollout runs through the agent executor
+(rlhf_core.agent): single turn with the reward source, or multi-turn episodes of an OpenRLHF `AgentInstance`
+file (agent_func_path, max_turns) whose rewards replace it; dynamic_filtering drops prompt groups whose mean
+score is outside dynamic_filtering_reward_range and samples more; enable_vllm_is_correction (TIS) / use_icepop
+weight the policy loss by the trainer/rollout probability ratio. Left out: a torch.distributed weight-sync
+group (weights go through Ray's object store), async training and hybrid placement (issue 12, the other half).
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379

@@ -1,5 +1,6 @@
 """The online-RL driver: place the roles on Ray, then per step
-    rollout (n samples per prompt, token ids + per-token log-probs) -> reward -> reference log-probs (when a
+    rollout (`rollout`: n episodes per prompt through the agent executor, rlhf_core.agent, token ids + per-token
+    log-probs + action mask; the reward source or the agent's rewards; dynamic sampling) -> reference log-probs (when a
     KL term is used) -> critic values (gae) -> old log-probs -> advantages (rl_math) -> critic and policy
     updates (max_epochs passes, DeepSpeed) -> weight sync into the rollout engines through Ray's object store
 and every `save_steps` a checkpoint to the store (actor, critic, optimizers, schedulers, KL controller,
@@ -203,9 +204,11 @@ def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spe
         raise RolloutError(str(e)) from None
     if agent_cls is not None:
         return eps, [e.reward for e in eps], [e.score for e in eps], {}
+    t0 = time.perf_counter()
     raw, scores, extra = rewards_for(cfg, reward_spec, roles, [it[1] for it in items], [e.text for e in eps],
                                      [it[3] for it in items], where)
-    return eps, list(raw), list(scores), {f"reward_{k}": v for k, v in extra.items()}
+    return eps, list(raw), list(scores), {**{f"reward_{k}": v for k, v in extra.items()},
+                                          "reward_s": time.perf_counter() - t0}
 
 
 def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]], idx: list[int], step: int, tok,
@@ -213,7 +216,8 @@ def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]],
     """Token in, token out: n episodes per prompt of `idx` through the agent executor (one turn and the run's
     reward source without an agent file; the agent's own turns and rewards with one), grouped by prompt
     (n consecutive rows). Returns the experience the training step needs: the collated batch (with the action
-    mask and the rollout log-probs), raw rewards, scores, the prompt index of each row and metrics.
+    mask and the rollout log-probs), raw rewards, scores, the kept prompts' indices and metrics (rollout_s
+    includes the reward source's reward_s).
 
     dynamic_filtering (DAPO's dynamic sampling, arXiv:2503.14476 sec. 3.2; OpenRLHF --dynamic_filtering): a
     group whose mean score is not strictly inside dynamic_filtering_reward_range (all right or all wrong: no
@@ -238,10 +242,11 @@ def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]],
                 break
             rounds += 1
             more, pool = pool[:R - len(kept)], pool[R - len(kept):]
-            e2, r2, s2, _ = _episodes(cfg, roles, prompts, prompt_ids, more, step, tok, reward_spec, agent_cls,
+            e2, r2, s2, x2 = _episodes(cfg, roles, prompts, prompt_ids, more, step, tok, reward_spec, agent_cls,
                                       f"{where}, dynamic sampling round {rounds}", rounds)
             groups = [(i, e2[k * n:(k + 1) * n], r2[k * n:(k + 1) * n], s2[k * n:(k + 1) * n]) for k, i in enumerate(more)]
             sampled += len(groups)
+            extra["reward_s"] = extra.get("reward_s", 0.0) + x2.get("reward_s", 0.0)
         filled = max(0, R - len(kept))
         extra.update(dynamic_filtering_kept=min(len(kept), R), dynamic_filtering_dropped=len(dropped),
                      dynamic_filtering_rounds=rounds, dynamic_filtering_filled=filled,
