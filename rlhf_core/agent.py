@@ -297,9 +297,22 @@ class Executor:
         return list(await asyncio.gather(*tasks))
 
 
+def run_sync(coro):
+    """Run `coro` to completion from synchronous code: on a fresh event loop, or on a helper thread when this
+    thread already runs one (e.g. inside an async Prefect task)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def run_episodes(executor: Executor, items, what=None) -> list[Episode]:
-    """Synchronous entry: the episodes on a fresh event loop (the ppo driver is synchronous)."""
-    return asyncio.run(executor.run(items, what))
+    """Synchronous entry: the episodes on their own event loop (the ppo driver is synchronous)."""
+    return run_sync(executor.run(items, what))
 
 
 async def probe(agent_cls, items, max_turns: int = 1) -> None:

@@ -21,7 +21,6 @@ group (weights go through Ray's object store), async training and hybrid placeme
 """
 from __future__ import annotations
 
-import asyncio
 import shutil
 from typing import ClassVar, Literal
 
@@ -218,7 +217,7 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
         agent_cls = agent.load_agent(cfg.agent_func_path)
         probe = rows[:cfg.rollout_batch_size]
-        asyncio.run(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
+        agent.run_sync(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
     elif not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
         probe = rows[:cfg.rollout_batch_size]
         try:

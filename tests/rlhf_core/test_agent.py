@@ -206,3 +206,12 @@ def test_dynamic_filtering_range_low_must_be_below_high():
     with pytest.raises(ConfigError, match=r"dynamic_filtering_reward_range low must be < high, got \(1.0, 0.0\)"):
         load_config(ppo.Config, None, dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="f.py",
                                            advantage_estimator="rloo", n_samples_per_prompt=2, dynamic_filtering=True, dynamic_filtering_reward_range=(1.0, 0.0)))
+
+
+def test_episodes_run_from_inside_a_running_event_loop(engine, tok):
+    """An async caller (e.g. an async Prefect task) gets the same episodes: run_episodes moves to a thread."""
+    async def caller():
+        return agent.run_episodes(make_executor(engine, tok, None, max_new=4), items(tok, 2))
+
+    eps = asyncio.run(caller())
+    assert [e.turns for e in eps] == [1, 1] and all(1 <= len(e.ids) <= 4 for e in eps)
