@@ -343,14 +343,16 @@ def test_multi_turn_agent_demo_reward_rises(warm, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(ROOT)
     out = tmp_path / "agent"
     assert main(["stage", "ppo", f"policy_uri={warm.policy}", f"prompts_uri={warm.prompts}", f"output_uri={out}",
-                 "max_samples=48", "--config", "configs/ppo_agent_demo.yaml"]) == 0
+                 "max_samples=24", "--config", "configs/ppo_agent_demo.yaml"]) == 0
     log = json.loads((out / "training_log.json").read_text())
     rewards = [round(h["reward"], 3) for h in log]
+    before, after = held_out_gold(warm.policy_dir), held_out_gold(out)
     print("agent demo rewards", rewards, "turns", [round(h["agent_turns"], 2) for h in log],
-          "first review", [round(h["agent_first_reward"], 3) for h in log])
+          "first review", [round(h["agent_first_reward"], 3) for h in log], "held-out gold", before, "->", after)
     assert len(log) == 6 and all(1 < h["agent_turns"] <= 3 for h in log[:2])  # weak reviews were sent back
-    assert all(h["agent_accepted"] >= 0 and "agent_tries" in h for h in log)  # extra_logs -> metrics
+    assert all(0 <= h["agent_accepted"] <= 1 and "agent_tries" in h for h in log)  # extra_logs -> metrics
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1
+    assert after > before + 0.1  # the policy's first answer to unseen prompts improved
     assert changed_fraction(warm.policy_dir, out) > 0.9
 
 
