@@ -63,6 +63,9 @@ class AgentExecutorBase(ABC):
         pass
 
 
+MultiTurnAgentExecutor = SingleTurnAgentExecutor = AgentExecutorBase  # OpenRLHF's executor names, same role
+
+
 @dataclass
 class SamplingParams:
     """The per-turn sampling settings an agent sees and may return (vLLM's attribute names)."""

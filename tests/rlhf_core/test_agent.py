@@ -215,3 +215,41 @@ def test_episodes_run_from_inside_a_running_event_loop(engine, tok):
 
     eps = asyncio.run(caller())
     assert [e.turns for e in eps] == [1, 1] and all(1 <= len(e.ids) <= 4 for e in eps)
+
+
+# OpenRLHF's examples/python/agent_func.py shape: `async def __init__`, torch tensors for rewards and logs, an
+# AgentExecutor subclass; only the import line changed.
+OPENRLHF_SHAPE = '''
+import torch
+from rlhf_core.agent import AgentExecutorBase, AgentInstanceBase
+
+
+class AgentInstance(AgentInstanceBase):
+    async def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+        self.max_steps = 1
+
+    async def reset(self, states: dict, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        done = self.step_idx >= self.max_steps
+        reward = torch.tensor([1.0]) if done else torch.tensor(0)
+        feedback = "\\n\\nHuman: [CORRECT]\\n</s>" if done else "\\n\\nHuman: [INCORRECT]\\nPlease try again.\\n</s>\\n\\nAssistant: "
+        self.step_idx += 1
+        return {"rewards": reward, "scores": reward, "environment_feedback": feedback, "done": done,
+                "sampling_params": states.get("sampling_params", None), "extra_logs": {"dummy_scores": reward}}
+
+
+class AgentExecutor(AgentExecutorBase):
+    def __init__(self, max_steps, max_length, llm_engine, hf_tokenizer, result_queue):
+        super().__init__(AgentInstance, max_steps, max_length, llm_engine, hf_tokenizer, result_queue)
+'''
+
+
+def test_openrlhf_example_file_runs_after_changing_its_import(engine, tok, tmp_path):
+    cls = agent.load_agent(agent_file(tmp_path, OPENRLHF_SHAPE, name="agent_func.py"))
+    eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=60, first_max_tokens=4), items(tok, 2))
+    for e in eps:
+        assert e.turns == 2 and e.finish_reason == "done" and e.reward == 1.0 and e.extra_logs == {"dummy_scores": 1.0}
+        assert 0 in e.action_mask  # the "[INCORRECT] ... Assistant:" feedback is in the tokens, masked
