@@ -164,15 +164,37 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "tok
     return reduce_tokens(values, mask, mode)
 
 
+def rollout_is_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, high: float,
+                      icepop: bool = False) -> torch.Tensor:
+    """Off-policy correction for rollouts from an inference engine (vLLM) whose probabilities differ from the
+    trainer's: the per-token importance ratio rho = pi_old / pi_rollout = exp(old_logp - rollout_logp), detached.
+      TIS (truncated importance sampling; Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy
+      RL Training", https://fengyao.notion.site/off-policy-rl, 2025): w = clamp(rho, low, high); with low = 0
+      this is their min(rho, C).
+      ICEPOP (Ling team, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model", arXiv:2510.18855,
+      IcePop): w = rho where low <= rho <= high, else 0: tokens whose engine and trainer disagree too much are
+      masked out of the gradient instead of being clamped.
+    OpenRLHF's --enable_vllm_is_correction / --vllm_is_truncated_threshold low high / --use_icepop; the weight
+    multiplies the per-token policy loss. All # (B, T).
+    e.g. old - rollout = [ln 0.25, 0, ln 3, ln 8], low 0.5, high 5: rho [0.25, 1, 3, 8];
+    TIS [0.5, 1, 3, 5]; ICEPOP [0, 1, 3, 0]."""
+    rho = torch.exp(old_logp.float() - rollout_logp.float()).detach()
+    if icepop:
+        return rho * ((rho >= low) & (rho <= high)).float()
+    return rho.clamp(low, high)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
-                mode: Aggregation = "token", max_len: int | None = None) -> tuple[torch.Tensor, dict]:
+                mode: Aggregation = "token", max_len: int | None = None,
+                is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate (arXiv:1707.06347 eq. 7) with asymmetric clip [1 - eps_low, 1 + eps_high] (DAPO,
     arXiv:2503.14476) and dual clip (arXiv:1912.09729): for A < 0 the loss is capped at -dual_clip * A.
     All # (B, T); returns (scalar loss, detached metrics).
       ratio = exp(logp - old_logp); loss_t = -min(ratio A, clip(ratio) A); dual: min(loss_t, -c A) where A < 0
     e.g. ratio 2 (logp - old = ln 2), eps 0.2: A = 1: -min(2, 1.2) = -1.2; A = -1: -min(-2, -1.2) = 2, with
-    dual_clip 3 still 2; ratio 4, A = -1: -min(-4, -1.2) = 4 -> with dual_clip 3: 3."""
+    dual_clip 3 still 2; ratio 4, A = -1: -min(-4, -1.2) = 4 -> with dual_clip 3: 3.
+    `is_weight` # (B, T) (rollout_is_weight) multiplies each token's loss: the off-policy correction."""
     eps_high = eps_low if eps_high is None else eps_high
     ratio = torch.exp(logp - old_logp)
     surr1 = ratio * advantages
@@ -181,6 +203,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     m = mask.float()
+    if is_weight is not None:
+        loss = loss * is_weight
     metrics = {"clip_ratio": reduce_tokens((surr2 < surr1).float(), m).detach(),
                "ratio": reduce_tokens(ratio.detach(), m)}
     return aggregate(loss, m, mode, max_len), metrics

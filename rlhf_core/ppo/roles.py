@@ -118,9 +118,14 @@ class Learner:
                 mask = b["mask"]
                 if self.kind == "policy":
                     lp, ent = policy_logprobs(eng.module, b, with_entropy=True)
+                    w = rl_math.rollout_is_weight(b["old_logp"], b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
+                                                  hp["use_icepop"]) if hp["enable_vllm_is_correction"] else None
                     loss, met = rl_math.policy_loss(lp, b["old_logp"], b["adv"], mask, hp["eps_clip_low"],
-                                                    hp["eps_clip_high"], hp["dual_clip"], agg, max_len)
+                                                    hp["eps_clip_high"], hp["dual_clip"], agg, max_len, w)
                     met = {"policy_loss": loss.detach(), **met, "entropy": losses.reduce_tokens(ent.detach(), mask)}
+                    if w is not None:
+                        met["is_weight"] = losses.reduce_tokens(w, mask)
+                        met["is_masked"] = losses.reduce_tokens((w == 0).float(), mask)
                     if hp["use_kl_loss"]:
                         kl = rl_math.aggregate(rl_math.kl_estimate(lp, b["ref_logp"], hp["kl_estimator"]), mask, agg, max_len)
                         loss = loss + kl_loss_coef * kl

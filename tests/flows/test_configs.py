@@ -61,7 +61,7 @@ def plain_inputs(zoo, moto_s3):
 
 
 # Configs of one stage, run through the CLI with their file by that stage's tests (tests/stages/test_ppo.py).
-STAGE_OF = {"ppo_demo.yaml": "ppo"}
+STAGE_OF = {"ppo_demo.yaml": "ppo", "ppo_agent_demo.yaml": "ppo"}
 
 
 def test_every_config_file_has_a_flow_or_a_stage():

@@ -153,3 +153,27 @@ def test_running_moments():
     assert (rmo.count, rmo.mean, rmo.m2) == (3, pytest.approx(3.0), pytest.approx(8.0))
     assert rmo.std == pytest.approx(2.0)
     assert rmo.normalize(t(5.0)).item() == pytest.approx(1.0)
+
+
+def test_rollout_is_weight_tis_and_icepop():
+    """old - rollout = [ln 0.25, 0, ln 3, ln 8] -> rho [0.25, 1, 3, 8]; window [0.5, 5]:
+    TIS clamps: [0.5, 1, 3, 5]; ICEPOP zeroes outside: [0, 1, 3, 0]; TIS with low 0, C = 2 (min(rho, C)):
+    [0.25, 1, 2, 2]."""
+    old = t([math.log(0.25), 0.0, math.log(3), math.log(8)])
+    roll = torch.zeros_like(old)
+    assert rm.rollout_is_weight(old, roll, 0.5, 5.0)[0].tolist() == pytest.approx([0.5, 1, 3, 5])
+    assert rm.rollout_is_weight(old, roll, 0.5, 5.0, icepop=True)[0].tolist() == pytest.approx([0, 1, 3, 0])
+    assert rm.rollout_is_weight(old + 1.0, roll + 1.0, 0.0, 2.0)[0].tolist() == pytest.approx([0.25, 1, 2, 2])
+
+
+def test_policy_loss_with_is_weight():
+    """ratio 1 (logp = old), A = [1, -2], weights [0.5, 0] (an ICEPOP-masked second token): per-token losses
+    [-1, 2] -> weighted [-0.5, 0]; token mean over the 2 masked-in tokens: -0.25 (unweighted: 0.5). The gradient
+    of the zero-weight token is 0."""
+    logp = t([0.0, 0.0]).requires_grad_()
+    loss, _ = rm.policy_loss(logp, t([0.0, 0.0]), t([1.0, -2.0]), t([1.0, 1.0]), 0.2,
+                             is_weight=t([0.5, 0.0]))
+    assert loss.item() == pytest.approx(-0.25)
+    loss.backward()
+    assert logp.grad[0, 1].item() == 0 and logp.grad[0, 0].item() == pytest.approx(-0.25)
+    assert rm.policy_loss(t([0.0, 0.0]), t([0.0, 0.0]), t([1.0, -2.0]), t([1.0, 1.0]))[0].item() == pytest.approx(0.5)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store, tiny as tiny_mod
+from rlhf_core import agent, data, demo_task, store, tiny as tiny_mod
+from rlhf_core.ppo import loop
 from rlhf_core.rewards import RewardError
 from stages import ppo, sft
 from stages.common import ConfigError, load_config
@@ -152,10 +153,12 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
                      **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32, "micro_train_batch_size": 8},
                      advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=1, zero_stage=3,
                      actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, actor_learning_rate=1e-4,
-                     init_kl_coef=0.01, save_value_network=True)
+                     init_kl_coef=0.01, save_value_network=True, enable_vllm_is_correction=True, use_icepop=True)
     m = ppo.run(cfg)
     log = json.loads((tmp_path / "z3" / "training_log.json").read_text())
     assert m.metrics["steps_done"] == 2 and all(h["rollout_logprob_gap"] < 1e-3 for h in log)
+    # the rollout log-probs reached the learners' ranks: the ICEPOP weights are the ratio, ~1, none masked
+    assert all(abs(h["is_weight"] - 1) < 1e-2 and h["is_masked"] == 0 for h in log)
     assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9
     assert changed_fraction(tiny.reward_dir, tmp_path / "z3" / "critic") > 0.5
 
@@ -211,6 +214,10 @@ def test_colocation_flags_share_placement_group_bundles(flags, expected):
     (dict(async_train=True, colocate_all_models=True), "async_train cannot be used with colocate_all_models"),
     (dict(vllm_enable_sleep=True), "vllm_enable_sleep: not supported"),
     (dict(deepspeed_enable_sleep=True), "deepspeed_enable_sleep: not supported"),
+    (dict(dynamic_filtering=True, dynamic_filtering_reward_range=(0.5, 0.5)), r"dynamic_filtering_reward_range low must be < high"),
+    (dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=(2.0, 1.0)), r"vllm_is_truncated_threshold low must be < high"),
+    (dict(use_icepop=True), "use_icepop needs enable_vllm_is_correction"),
+    (dict(agent_func_path="env.py"), r"agent_func_path gives the rewards .*: drop \['reward_func_path'\]"),
 ])
 def test_bad_config_is_refused_by_name(over, message, tmp_path):
     base = dict(policy_uri="p", prompts_uri="q", output_uri=str(tmp_path / "out"), reward_func_path=demo_task.__file__,
@@ -359,3 +366,57 @@ def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
             os.killpg(head.pid, signal.SIGKILL)
         kill_marked(marker)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- agents
+AGENT_DEMO = str(ROOT / "configs" / "agents" / "review_retry.py")
+
+
+@pytest.mark.slow
+def test_multi_turn_agent_demo_reward_rises(warm, tmp_path, monkeypatch, capsys):
+    """configs/ppo_agent_demo.yaml through the README's command: the review_retry environment sends weak reviews
+    back (feedback appended, masked out of the loss), REINFORCE++-baseline; the episode reward rises over the
+    run and retries improve on the first review."""
+    from flows.cli import main
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "agent"
+    assert main(["stage", "ppo", f"policy_uri={warm.policy}", f"prompts_uri={warm.prompts}", f"output_uri={out}",
+                 "max_samples=24", "--config", "configs/ppo_agent_demo.yaml"]) == 0
+    log = json.loads((out / "training_log.json").read_text())
+    rewards = [round(h["reward"], 3) for h in log]
+    before, after = held_out_gold(warm.policy_dir), held_out_gold(out)
+    print("agent demo rewards", rewards, "turns", [round(h["agent_turns"], 2) for h in log],
+          "first review", [round(h["agent_first_reward"], 3) for h in log], "held-out gold", before, "->", after)
+    assert len(log) == 6 and all(1 < h["agent_turns"] <= 3 for h in log[:2])  # weak reviews were sent back
+    assert all(0 <= h["agent_accepted"] <= 1 and "agent_tries" in h for h in log)  # extra_logs -> metrics
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1
+    assert after > before + 0.1  # the policy's first answer to unseen prompts improved
+    assert changed_fraction(warm.policy_dir, out) > 0.9
+
+
+def test_agent_file_errors_before_ray_nothing_written(warm, tmp_path):
+    no_class = tmp_path / "no_class.py"
+    no_class.write_text("class Env:\n    pass\n")
+    lacks = tmp_path / "lacks_done.py"
+    lacks.write_text(Path(AGENT_DEMO).read_text().replace('"done": done,', ""))
+    for path, message in ((no_class, "defines no class AgentInstance"), (lacks, "step's result has no 'done' key")):
+        with pytest.raises(agent.AgentError, match=message) as e:
+            ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(path)))
+        assert str(path) in str(e.value)
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_agent_step_raising_mid_run_fails_the_stage_cleanly(warm, tmp_path):
+    """Turn 1 passes the probe; turn 2 of one episode raises: the error names the file, episode and turn, and
+    nothing is committed."""
+    bad = tmp_path / "raises.py"
+    bad.write_text(Path(AGENT_DEMO).read_text().replace(
+        "        self.tries += 1\n",
+        "        self.tries += 1\n        if self.tries == 2:\n            raise KeyError('env lost its state')\n"))
+    with pytest.raises(loop.RolloutError, match=rf"{bad}: episode \d+ \(prompt \d+, sample \d\) of step 1 .*, turn 2: "
+                                               rf"step raised KeyError"):
+        ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(bad), max_turns=3,
+                         generate_max_len=30))
+    assert not store.committed_any(str(tmp_path / "out"))

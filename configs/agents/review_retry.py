@@ -1,0 +1,44 @@
+"""A multi-turn environment on the demo task (OpenRLHF's agent contract: `--agent_func_path`).
+
+The policy writes a review ("Review of the movie: ..."). The environment scores it with the demo's gold reward
+(positive minus negative words, per word, in [-1, 1]). A review scoring below ACCEPT is sent back: the feedback
+is the request again ("Review of the movie: "), so the policy gets another try with its rejected review in
+context. The episode ends when a review is accepted or after MAX_TRIES reviews; its reward is the last review's
+gold reward minus RETRY_COST per retry, so the policy learns to write a positive review, sooner rather than later.
+
+extra_logs: first_reward (the first review's gold reward), tries, accepted.
+Written for OpenRLHF: only the import line differs (`from openrlhf.utils.agent import AgentInstanceBase`).
+"""
+import re
+
+from rlhf_core.agent import AgentInstanceBase
+from rlhf_core.demo_task import gold_reward
+
+ACCEPT = 0.5
+MAX_TRIES = 3
+RETRY_COST = 0.1
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.tries = 0
+        self.first = None
+        self.request = ""
+
+    async def reset(self, states, **kwargs):
+        match = re.search(r"Review of the \w+:", states["observation"])
+        self.request = match.group(0) if match else states["observation"].strip()
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.tries += 1
+        score = gold_reward(states["action_text"])
+        if self.first is None:
+            self.first = score
+        accepted = score >= ACCEPT
+        done = accepted or self.tries >= MAX_TRIES
+        reward = score - RETRY_COST * (self.tries - 1)
+        return {"rewards": reward, "scores": reward,
+                "environment_feedback": "" if done else f" {self.request} ",
+                "done": done, "sampling_params": states.get("sampling_params"),
+                "extra_logs": {"first_reward": self.first, "tries": self.tries, "accepted": float(accepted)}}
