@@ -238,22 +238,25 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
     tr, tc, tt, ts, last = [], [], [], [], torch.zeros((2 * k, 2), dtype=torch.long)
     for i, (c, cs, r, rs, L) in enumerate(rows):
         nc, nr = len(c), len(r)
-        ids[i, :nc], ids[i, nc:nc + nr - L] = torch.tensor(c), torch.tensor(r[L:], dtype=torch.long)
+        ct, rt = torch.tensor(c, dtype=torch.long), torch.tensor(r, dtype=torch.long)
+        ids[i, :nc], ids[i, nc:nc + nr - L] = ct, rt[L:]
         pos[i, :nc], pos[i, nc:nc + nr - L] = torch.arange(nc), torch.arange(L, nr)
         part[i, :L], part[i, L:nc], part[i, nc:nc + nr - L] = 0, 1, 2
         seg[i, :nc], seg[i, nc:nc + nr - L] = i, k + i
-        col_r = lambda p: p if p < L else nc + p - L  # noqa: E731 (column of rejected token p)
-        for t in range(max(cs, 1), nc):  # token t predicted by the logits of token t - 1
-            tr.append(i), tc.append(t - 1), tt.append(c[t]), ts.append(i)
-        for t in range(max(rs, 1), nr):
-            tr.append(i), tc.append(col_r(t - 1)), tt.append(r[t]), ts.append(k + i)
-        last[i], last[k + i] = torch.tensor([i, nc - 1]), torch.tensor([i, col_r(nr - 1)])
+        # token t is predicted by the logits of token t - 1; rejected token p sits at column p (p < L) or nc + p - L
+        pc = torch.arange(max(cs, 1) - 1, nc - 1)
+        pr = torch.arange(max(rs, 1) - 1, nr - 1)
+        tc += [pc, torch.where(pr < L, pr, nc + pr - L)]
+        tt += [ct[pc + 1], rt[pr + 1]]
+        tr.append(torch.full((len(pc) + len(pr),), i))
+        ts += [torch.full((len(pc),), i), torch.full((len(pr),), k + i)]
+        last[i], last[k + i] = torch.tensor([i, nc - 1]), torch.tensor([i, nc + nr - L - 1 if nr - 1 >= L else nr - 1])
     ar = torch.arange(T)
     q, kk = part[:, :, None], part[:, None, :]  # (k, T, 1), (k, 1, T)
     att = (ar[:, None] >= ar[None, :]) & (kk != -1) & (q != -1) & ((kk == 0) | (kk == q))
     att = (att | torch.eye(T, dtype=torch.bool))[:, None]  # padding attends to itself: no all-masked row (NaN)
     tgt = torch.zeros((k, T), dtype=torch.long)
-    explicit = tuple(torch.tensor(x, dtype=torch.long) for x in (tr, tc, tt, ts))
+    explicit = (torch.cat(tr), torch.cat(tc), torch.cat(tt), torch.cat(ts))
     real = sum(len(c) + len(r) for c, _, r, _, _ in rows)
     return Batch(ids, pos, att, tgt, seg, last, 2 * k, real, explicit)
 
