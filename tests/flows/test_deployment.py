@@ -1,5 +1,5 @@
 """Deployments for real: `prefect server start`, a process work pool and worker, `prefect deploy --all` from
-deployments/prefect.yaml, and `prefect deployment run 'iterative-dpo/demo'` to completion.
+deployments/prefect.yaml, and `prefect deployment run 'iterative-dpo/demo'` and `'ppo/demo'` to completion.
 The server and worker listen on 127.0.0.1, die with this process, and are stopped by pid."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_deploy_all_and_run_iterative_dpo_through_a_process_worker(demo_run, tmp_path):
+def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_run, tmp_path):
     bindir = Path(sys.executable).parent
     port, marker = free_port(), uuid.uuid4().hex
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
@@ -65,6 +65,19 @@ def test_deploy_all_and_run_iterative_dpo_through_a_process_worker(demo_run, tmp
         report = json.loads((tmp_path / "runs" / "deployed" / "report.json").read_text())
         assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
         assert store.committed_any(str(tmp_path / "runs" / "deployed" / "iter-1" / "dpo"))
+        # online RL through the same worker: one small iteration of ppo/demo (its Ray job inside the flow run)
+        ppo = {k: params[k] for k in ("demo", "root", "pretrain_uri", "reward_uri", "sft", "train_rm", "prompt_data",
+                                      "eval_prompt_data", "gold_reward_file", "eval")}
+        ppo.update(run_name="deployed-ppo", iterations=1,
+                   ppo={"advantage_estimator": "group_norm", "n_samples_per_prompt": 2, "max_samples": 16,
+                        "rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8,
+                        "generate_max_len": 8, "reward_max_len": 48, "actor_learning_rate": 5.0e-4})
+        out = prefect("deployment", "run", "ppo/demo", "--params", json.dumps({"params": ppo}),
+                      "--watch", "--watch-timeout", "900", timeout=960)
+        assert "Completed" in out, out[-2000:]
+        report = json.loads((tmp_path / "runs" / "deployed-ppo" / "report.json").read_text())
+        assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
+        assert store.read_manifest(str(tmp_path / "runs" / "deployed-ppo" / "iter-1" / "ppo")).metrics["steps_done"] == 2
     finally:
         for p in reversed(procs):
             p.terminate()
