@@ -183,12 +183,13 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
 
 
 def _finished(work: Path) -> dict | None:
-    """The result of a job that trained to its planned step count in `work` (saved model included)."""
+    """The result of a job that trained to its planned step count in `work` (saved model, or adapter, included)."""
     try:
         result = json.loads((work / "result.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = result.get("steps_done") == result.get("planned_steps") and (work / "model" / "config.json").exists()
+    saved = (work / "model" / "config.json").exists() or (work / "model" / "adapter" / "adapter_config.json").exists()
+    ok = result.get("steps_done") == result.get("planned_steps") and saved  # a full model, or lora_merge=false's adapter
     return result if ok else None
 
 

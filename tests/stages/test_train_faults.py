@@ -102,3 +102,19 @@ def test_endpoint_down_mid_model_upload_then_rerun_commits_without_retraining(ti
     local = store.fetch_model(out, so)
     assert all((weights(local)[k] == v).all() for k, v in trained.items())
     assert not work.exists()  # cleaned after the commit
+
+
+def test_a_finished_job_is_reused_with_a_full_model_or_an_adapter_only(tmp_path):
+    """After a failed upload the rerun reuses the trained job: a saved model (config.json) or, with
+    lora_merge=false, a saved adapter counts; a job that stopped early or saved nothing does not."""
+    import json
+
+    from rlhf_core.train.launch import _finished
+
+    (tmp_path / "result.json").write_text(json.dumps({"steps_done": 4, "planned_steps": 4}))
+    assert _finished(tmp_path) is None  # nothing saved
+    (tmp_path / "model" / "adapter").mkdir(parents=True)
+    (tmp_path / "model" / "adapter" / "adapter_config.json").write_text("{}")
+    assert _finished(tmp_path)["steps_done"] == 4
+    (tmp_path / "result.json").write_text(json.dumps({"steps_done": 3, "planned_steps": 4}))
+    assert _finished(tmp_path) is None
