@@ -98,7 +98,7 @@ def test_grpo_raises_held_out_gold_reward(warm, tmp_path):
 @pytest.mark.slow
 def test_ppo_gae_raises_held_out_gold_reward(warm, tiny, tmp_path):
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "gae"), **BASE,
-                     advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=2,
+                     advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=4,
                      actor_learning_rate=5e-4, critic_learning_rate=1e-3, init_kl_coef=0.01, freezing_actor_steps=1,
                      save_value_network=True)
     ppo.run(cfg)
