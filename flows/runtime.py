@@ -377,13 +377,12 @@ class Report:
             from prefect.artifacts import update_progress_artifact
 
             update_progress_artifact(_progress["id"], progress=100.0)
-        rep = self.publish()
-        if self.tracking.get("wandb"):  # one W&B run per flow run, all iterations
-            self._track(wandb=True)
-        return rep
+        return self.publish()
 
-    def _track(self, wandb: bool = False) -> None:
-        """The iterations as TensorBoard events / a W&B run, rewritten into {run}/tensorboard or {run}/wandb."""
+    def _track(self) -> None:
+        """The iterations so far as TensorBoard events and/or a W&B run (its id fixed by the run's URI: a rerun or
+        the next iteration continues the same run), rewritten into {run}/tensorboard and {run}/wandb."""
+        import hashlib
         import shutil
         import tempfile
 
@@ -391,9 +390,13 @@ class Report:
 
         fs, path = store.filesystem(self.run_uri, self.storage_options)
         with tempfile.TemporaryDirectory() as tmp:
-            for sub in tracking.write(tmp, self.rows, "iteration", tensorboard=not wandb, wandb=wandb, prefix=self.flow,
-                                      project=self.tracking.get("project", "rlhf-flows"),
-                                      run_name=self.run_uri.rsplit("/", 1)[-1]):
+            t = tracking.Tracker(tmp, tensorboard=bool(self.tracking.get("tensorboard")), wandb=bool(self.tracking.get("wandb")),
+                                 prefix=self.flow, step_key="iteration", project=self.tracking.get("project", "rlhf-flows"),
+                                 run_name=self.run_uri.rsplit("/", 1)[-1],
+                                 run_id=hashlib.sha256(self.run_uri.encode()).hexdigest()[:16])
+            for r in self.rows:
+                t.log(r)
+            for sub in t.close():
                 if fs.exists(store.join(path, sub)):
                     fs.rm(store.join(path, sub), recursive=True)
                 fs.put(str(Path(tmp) / sub), store.join(path, sub), recursive=True)
@@ -410,7 +413,7 @@ class Report:
         with fs.open(store.join(path, "report.json"), "w") as f:
             f.write(json.dumps(rep, indent=2, default=str))
         self._plot(fs, path)
-        if self.tracking.get("tensorboard"):
+        if self.tracking.get("tensorboard") or self.tracking.get("wandb"):
             self._track()
         self._prefect_artifacts()
         return rep

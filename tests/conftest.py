@@ -148,3 +148,24 @@ def upload_folder(local: Path, uri: str) -> str:
         if p.is_file():
             fs.put_file(str(p), f"{path}/{p.relative_to(local).as_posix()}")
     return uri
+
+
+def tb_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of TensorBoard event files (TFRecord framing: length, crc, Event proto, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list] = {}
+    for f in sorted(folder.rglob("events.out.tfevents.*")):
+        buf = f.read_bytes()
+        i = 0
+        while i + 12 <= len(buf):
+            (n,) = struct.unpack("<Q", buf[i:i + 8])
+            if i + 12 + n + 4 > len(buf):  # a record still being written
+                break
+            ev = event_pb2.Event.FromString(buf[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out

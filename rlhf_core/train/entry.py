@@ -184,6 +184,21 @@ def save_final(engine, spec: dict, method, rank: int, extra_config: dict) -> Non
     tok.save_pretrained(str(out))
 
 
+def _tracker(spec: dict, history: list[dict]):
+    """Rank 0's live TensorBoard / W&B writer into work_dir/tracking, which the stage uploads into the artifact.
+    A job restarted from a checkpoint rewrites the folder from the restored history first: every step once."""
+    from rlhf_core.tracking import Tracker
+
+    t = spec["tracking"]
+    shutil.rmtree(Path(spec["work_dir"]) / "tracking", ignore_errors=True)
+    tracker = Tracker(Path(spec["work_dir"]) / "tracking", tensorboard=t["tensorboard"], wandb=t["wandb"],
+                      prefix=spec["method"], project=t["project"], run_name=t["run_name"], run_id=spec["fingerprint"][:32],
+                      config=t["config"])
+    for h in history:
+        tracker.log(h)
+    return tracker
+
+
 def job_spec(ref: str) -> dict:
     """The job spec and this rank's local copies of what it names. The spec lives on the store: a rank whose
     cache (RLHF_FLOWS_CACHE) is the launching host's uses the files the stage prepared there; a rank on
@@ -274,6 +289,7 @@ def main(spec_ref: str) -> None:
         start, history = client["step"], client["history"]
         torch.set_rng_state(torch.tensor(client["rng"], dtype=torch.uint8))
         _say(rank, f"resumed from checkpoint {spec['resume_uri']} at step {start}/{total}")
+    tracker = _tracker(spec, history) if rank == 0 and spec.get("tracking") else None
     _say(rank, f"training {spec['method']}: {len(records)} samples, {total} steps, world size {world}")
     t0, tokens_done = time.time(), 0
     for step in range(start, total):
@@ -288,6 +304,8 @@ def main(spec_ref: str) -> None:
             for k, v in met.items():
                 acc[k] = acc.get(k, 0.0) + float(v.float().mean()) / len(plan.micro_batches(step, rank))
         history.append({"step": step + 1, "samples": plan.batch(step), "lr": sched.get_last_lr()[0], **acc})
+        if tracker:
+            tracker.log(history[-1])
         if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
             from rlhf_core.progress import eta
 
@@ -298,6 +316,8 @@ def main(spec_ref: str) -> None:
         if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
             save_checkpoint(engine, spec, step + 1, history, rank, world)
     train_s = time.time() - t0
+    if tracker:
+        tracker.close()
     tok = torch.tensor([tokens_done], dtype=torch.float64)
     dist.all_reduce(tok)
     final = evaluate(engine, spec, method, records, rank, world, pad_id) if hasattr(method, "summarize") else {}

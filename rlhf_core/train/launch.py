@@ -152,14 +152,7 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
         log.info("reusing the model trained for %s in %s (its upload had failed): not retraining", w.uri, work)
     else:
         result = _train(cfg, w, work, method, records, model_dir, tokenizer, extra_spec, model_uri)
-    tracked = []
-    if cfg.use_tensorboard or cfg.use_wandb:
-        from rlhf_core import tracking
-
-        tracked = tracking.write(work / "tracking", [{k: v for k, v in h.items() if k != "samples"} for h in result["history"]],
-                                 "step", tensorboard=cfg.use_tensorboard, wandb=cfg.use_wandb, prefix=method,
-                                 project=cfg.wandb_project, run_name=cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]),
-                                 config=cfg.semantic())
+    tracked = [sub for sub in ("tensorboard", "wandb") if (work / "tracking" / sub).is_dir()]  # the job wrote them live
     for attempt in range(cfg.upload_retries + 1):
         try:
             w.upload_dir(work / "model")
@@ -212,7 +205,10 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
             "pad_id": models.pad_id(tokenizer, model_dir), "resume_dir": str(resume_dir) if resume_dir else None,
             "resume_uri": meta["uri"] if meta else None, "resume": meta, "step_sleep": cfg.debug_step_sleep,
             "model_uri": model_uri or str(model_dir), "data_uri": store.join(job_uri, "data.parquet"),
-            "launch_cache": str(store.cache_root())}
+            "launch_cache": str(store.cache_root()),
+            "tracking": {"tensorboard": cfg.use_tensorboard, "wandb": cfg.use_wandb, "project": cfg.wandb_project,
+                         "run_name": cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]), "config": cfg.semantic()}
+            if cfg.use_tensorboard or cfg.use_wandb else None}
     spec_path = work / "spec.json"
     with os.fdopen(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(json.dumps(spec, default=list))

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from rlhf_core import data, progress, store
+from tests.conftest import tb_scalars
 
 
 def test_parse_both_kinds_of_progress_line():
@@ -116,31 +117,15 @@ def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_toke
     assert any(f["path"].startswith("tensorboard/") for f in manifest.files)
 
 
-def tb_scalars(folder) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of TensorBoard event files (TFRecord framing: length, crc, Event proto, crc)."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    out: dict[str, list] = {}
-    for f in sorted(folder.rglob("events.out.tfevents.*")):
-        buf = f.read_bytes()
-        i = 0
-        while i < len(buf):
-            (n,) = struct.unpack("<Q", buf[i:i + 8])
-            ev = event_pb2.Event.FromString(buf[i + 12:i + 12 + n])
-            i += 12 + n + 4
-            for v in ev.summary.value:
-                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
-    return out
-
-
 def test_flow_report_tracking_writes_iterations_to_tensorboard_and_wandb(tmp_path):
     from flows.runtime import Report
 
     (tmp_path / "run").mkdir()  # the flow's run lock makes it
     rep = Report("iterative-dpo", str(tmp_path), "run", tracking={"tensorboard": True, "wandb": True})
     rep.add({"iteration": 0, "gold_reward": -0.1, "kl": 0.0})
+    # live: each iteration is in both as soon as it is reported, before the flow finishes
+    assert tb_scalars(tmp_path / "run" / "tensorboard")["iterative-dpo/gold_reward"] == [(0, pytest.approx(-0.1))]
+    assert list((tmp_path / "run" / "wandb").rglob("*.wandb"))
     rep.add({"iteration": 1, "gold_reward": 0.2, "kl": 0.05, "dpo_s": 3.0})
     rep.finish()
     ev = tb_scalars(tmp_path / "run" / "tensorboard")

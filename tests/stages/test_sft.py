@@ -14,6 +14,7 @@ from rlhf_core.jobs import JobFailed
 from rlhf_core.train import checkpoints
 from rlhf_core.train.launch import TrainingIncomplete  # noqa: F401  (part of the contract)
 from stages import sft
+from tests.conftest import tb_scalars
 
 FAST = dict(input_template=demo_task.INPUT_TEMPLATE, learning_rate=1e-3, train_batch_size=8, micro_train_batch_size=4,
             max_len=48, lr_warmup_ratio=0.0)
@@ -91,7 +92,7 @@ def test_sft_lora_packed_saves_adapter_and_merged_model(tiny, tmp_path):
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)  # merged LoRA deltas only
 
 
-def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root):
+def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     """Kill the training child (launcher + rank) after its first checkpoint; the rerun resumes from it and
     ends at the same step count having seen every sample exactly once per epoch, with the same weights
     (within float tolerance) as the same job run without interruption."""
@@ -100,13 +101,16 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root):
     data_uri = sft_data(s3_root, 64)
     out = f"{s3_root}/sft-resume"
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=data_uri, output_uri=out, save_steps=2,
-                     debug_step_sleep=0.4, max_epochs=2, **FAST)
+                     debug_step_sleep=0.4, max_epochs=2, use_tensorboard=True, **FAST)
     fs, path = store.filesystem(out)
-    killed = []
+    killed, live = [], {}
 
     def killer():
         deadline = time.time() + 300
         while time.time() < deadline and not fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"):
+            time.sleep(0.2)
+        while time.time() < deadline and len(live.get("sft/loss", ())) < 2:  # TensorBoard events while the job runs
+            live.update(tb_scalars(store.cache_root() / "jobs" / _fp(cfg) / "tracking"))
             time.sleep(0.2)
         for child in psutil.Process().children():  # the launcher we started, in its own session
             if "rlhf_core.train.entry" in " ".join(child.cmdline()):
@@ -121,12 +125,16 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root):
     assert killed and not store.committed_any(out)
     meta = checkpoints.latest(f"{out}/checkpoints", _fp(cfg))
     assert meta is not None and 0 < meta["step"] < 16
+    assert [s for s, _ in live["sft/loss"]][:2] == [1, 2], live  # written live, one event per step
     m = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))  # runtime field: same fingerprint
     assert m.metrics["resumed_from_step"] == meta["step"] > 0
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 16 and m.metrics["samples_seen"] == 128
     with fs.open(f"{path}/training_log.json") as f:
         log = json.loads(f.read())
     assert [h["step"] for h in log] == list(range(1, 17))
+    fs.get(f"{path}/tensorboard", str(tmp_path / "tb"), recursive=True)
+    events = tb_scalars(tmp_path / "tb")
+    assert [s for s, _ in events["sft/loss"]] == list(range(1, 17))  # restored history replayed: every step once
     for epoch in (log[:8], log[8:]):
         assert sorted(i for h in epoch for i in h["samples"]) == list(range(64))
     assert not fs.exists(f"{path}/checkpoints")
