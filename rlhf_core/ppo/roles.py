@@ -20,6 +20,7 @@ import os
 import torch
 
 from rlhf_core import losses, rl_math
+from rlhf_core.train import adamw
 
 
 def policy_logprobs(model, batch: dict, with_entropy: bool = False):
@@ -75,7 +76,7 @@ class Learner:
         if hp["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_dir, self.hp = model_dir, hp
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(hp["adam_betas"]), weight_decay=hp["l2"])
+        opt = adamw(model.parameters(), lr, hp["adam_betas"], hp["l2"])
         warm = max(1, math.ceil(hp["lr_warmup_ratio"] * total_steps))
 
         def lr_lambda(s: int) -> float:  # linear warm-up, then cosine to min_lr_ratio (OpenRLHF cosine_with_min_lr)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import losses
-from rlhf_core.train import checkpoints
+from rlhf_core.train import adamw, checkpoints
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
@@ -261,7 +261,7 @@ def main(spec_ref: str) -> None:
     method = get_method(spec["method"])
     model = load_model(spec, cuda, method)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec["learning_rate"], betas=tuple(spec["adam_betas"]), weight_decay=spec["l2"])
+    opt = adamw(params, spec["learning_rate"], spec["adam_betas"], spec["l2"])
     warm = max(1, math.ceil(spec["lr_warmup_ratio"] * total))
     min_ratio = spec["min_lr_ratio"]
 
