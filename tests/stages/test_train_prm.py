@@ -110,7 +110,7 @@ def test_score_refuses_samples_without_steps_and_aggregate_without_prm(trained, 
     assert not store.committed_any(str(tmp_path / "s"))
 
 
-def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path):
+def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path, capsys):
     """A row without the placeholder (file, row, key), a label count that differs from the placeholders, a
     label outside the reward tokens; a reward token or a placeholder that is not one token of the tokenizer.
     Nothing is committed."""
@@ -130,6 +130,12 @@ def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path):
         f.write_text("\n".join(json.dumps(r) for r in rows))
         with pytest.raises(data.DataError, match=msg):
             train_prm.run(train_prm.Config(**cfg, dataset_uri=str(f)))
+    from flows import cli  # the same refusal from the command line: one error line, exit 2
+
+    assert cli.main(["stage", "train_prm", f"base_uri={prm_base}", f"dataset_uri={tmp_path / 'no_placeholder.jsonl'}",
+                     f"output_uri={out}", "train_batch_size=2", "micro_train_batch_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlhf-flows: error: ") and "no_placeholder.jsonl row 1: key 'input' has no placeholder" in err
     f = tmp_path / "good.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in good))
     with pytest.raises(ConfigError, match=r"reward token 'good step' is \d+ tokens in this tokenizer .* not one"):
