@@ -131,8 +131,9 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
     settings). Placeholder URIs stand in for the inputs the loop wires in."""
     if len(given := [f for f in ("reward_uri", "reward_func_file", "reward_url") if getattr(p, f)]) > 1:
         raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
-    if p.score.get("prm_aggregate") and not p.reward_uri:  # whether reward_uri is a PRM: the score stage checks
-        raise ConfigError(f"{flow_name}: score.prm_aggregate applies to a process reward model given as reward_uri")
+    for k in ("prm_aggregate", "prm_tokens"):  # whether reward_uri is a PRM: the score stage checks
+        if p.score.get(k) and not p.reward_uri:
+            raise ConfigError(f"{flow_name}: score.{k} applies to a process reward model given as reward_uri")
     own = [(module, base) for module, base in (checks or {}).items()]
     for module, base in [(_stage(n), {**table.FIXED.get(n, {}), **getattr(p, n)}) for n in table.SHARED] + own:
         name = module.__name__.rsplit(".", 1)[-1]

@@ -17,7 +17,8 @@ Sources (exactly one per RewardSpec):
               step's reward is the softmax probability of the positive (first) reward token over the reward
               tokens at that step's placeholder, and the reward is `prm_aggregate` of the steps: min (the
               default: a solution is as good as its weakest step, Math-Shepherd's verifier, arXiv:2312.08935),
-              last, or mean; `step_rewards` holds the per-step values.
+              last, or mean; `step_rewards` holds the per-step values. A causal-LM PRM trained elsewhere
+              (e.g. Math-Shepherd's) is named by `prm_tokens`: its placeholder, then its reward tokens.
   func_path   a Python file defining OpenRLHF's `reward_func(queries, prompts, labels)` (queries are
               prompt + response) returning a tensor/list or a dict with `rewards` (+ `scores`, `extra_logs`).
   remote_url  an HTTP reward server in OpenRLHF's serve_rm shape: POST {"query", "prompts", "labels"} ->
@@ -51,6 +52,7 @@ class RewardSpec:
     remote_url: str | None = None
     value_head_prefix: str = "value_head"
     prm_aggregate: str = "min"  # a process reward model's reduction of its step rewards: min | last | mean
+    prm_tokens: tuple[str, ...] | None = None  # a plain causal LM as a PRM: (placeholder, positive, negative, ...)
     normalize: bool = True  # apply the mean/std stored in the reward model's config, when present
     max_len: int = 1024  # tokens of prompt + response (+ EOS); longer texts are cut as train_rm cuts them
     append_eos: bool = True
@@ -77,17 +79,24 @@ class Rewards:
 
 
 # ---------------------------------------------------------------------------------------------- reward model
-def check_reward_model(path: str | Path, value_head_prefix: str = "value_head") -> str:
-    """"seq_cls", "value_head" or "prm" (a process reward model) for a reward-model folder; RewardError when
-    it is not one."""
+def check_reward_model(path: str | Path, value_head_prefix: str = "value_head", prm_tokens=None) -> str:
+    """"seq_cls", "value_head" or "prm" (a process reward model: its config.json names its tokens, or
+    `prm_tokens` names them for a plain causal LM) for a reward-model folder; RewardError when it is not one."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise RewardError(f"{path} is not a reward model: it has no config.json")
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("prm_placeholder_token"):  # written by train_prm (rlhf_core.train.methods.prm.CONFIG_KEYS)
+        saved = (cfg["prm_placeholder_token"], *cfg.get("prm_reward_tokens", ()))
+        if prm_tokens and tuple(prm_tokens) != saved:
+            raise RewardError(f"{path} is a process reward model with tokens {list(saved)}, not prm_tokens {list(prm_tokens)}")
         return "prm"
     archs = cfg.get("architectures") or []
+    if prm_tokens:
+        if not any(a.endswith("ForCausalLM") for a in archs):
+            raise RewardError(f"prm_tokens name a process reward model, a causal LM; {path} is {archs}")
+        return "prm"
     if any(a.endswith("ForSequenceClassification") for a in archs):
         if cfg.get("num_labels", len(cfg.get("id2label") or {0: 0})) != 1:
             raise RewardError(f"{path} is a classifier with {len(cfg.get('id2label', {}))} labels, not a scalar reward model")
@@ -120,7 +129,7 @@ class RMEngine:
         from rlhf_core.train.batches import Encoder
 
         path = _local_model(model, spec.storage_options)
-        kind = check_reward_model(path, spec.value_head_prefix)
+        kind = check_reward_model(path, spec.value_head_prefix, spec.prm_tokens)
         self.device = "cuda" if _cuda() else "cpu"
         dtype = _torch_dtype(spec.dtype)
         self.tok = AutoTokenizer.from_pretrained(path)
@@ -131,12 +140,13 @@ class RMEngine:
             from rlhf_core.train.methods import prm
 
             cfg = AutoConfig.from_pretrained(path)
+            token, *reward_tokens = spec.prm_tokens or (cfg.prm_placeholder_token, *cfg.prm_reward_tokens)
             try:
-                ids = (prm.token_id(self.tok, cfg.prm_placeholder_token, f"PRM {model}: placeholder token"),
-                       [prm.token_id(self.tok, t, f"PRM {model}: reward token") for t in cfg.prm_reward_tokens])
+                ids = (prm.token_id(self.tok, token, f"PRM {model}: placeholder token"),
+                       [prm.token_id(self.tok, t, f"PRM {model}: reward token") for t in reward_tokens])
             except ValueError as e:
                 raise RewardError(str(e)) from None
-            self.prm = (cfg.prm_placeholder_token, *ids)
+            self.prm = (token, *ids)
             self.body = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             self.head = torch.nn.Identity()
         elif kind == "seq_cls":

@@ -8,6 +8,7 @@ be finite. Note: a remote server's model is outside the fingerprint; only its UR
 A process reward model (from train_prm; recognised by its config.json, no flag) scores every step that ends
 with its placeholder token: `step_rewards` (a list column) holds the steps' rewards, `reward` their
 `prm_aggregate` (min by default: the weakest step, as Math-Shepherd ranks solutions; or last, or mean).
+A causal-LM PRM trained elsewhere is named by `prm_tokens` (placeholder, then reward tokens, positive first).
 Samples whose response has no placeholder are refused by row before any scoring.
 
     rlhf-flows stage score samples_uri=... reward_model_uri=... output_uri=...
@@ -37,6 +38,10 @@ class Config(StageConfig):
     prm_aggregate: Literal["min", "last", "mean"] | None = Field(None, description=
                                     "Process reward model only: the reward from the step rewards (default min, "
                                     "the weakest step, as Math-Shepherd; last; mean).")
+    prm_tokens: list[str] | None = Field(None, min_length=3, description=
+                                         "A plain causal LM as a process reward model (one not trained here, e.g. "
+                                         "Math-Shepherd's): its placeholder token, then its reward tokens, the "
+                                         "positive first, e.g. [ки, +, -]. A train_prm artifact names its own.")
     normalize_reward: bool = Field(True, description="Apply reward_mean/reward_std from the reward model's config.")
     max_len: int = Field(2048, ge=2, description="Max tokens of prompt + response scored by the reward model.")
     append_eos: bool = Field(True, description="Append EOS before scoring with the reward model (as OpenRLHF does).")
@@ -78,15 +83,16 @@ def run(cfg: Config) -> store.Manifest:
     model, kind = None, None
     if cfg.reward_model_uri:
         rm_dir = store.fetch_model(cfg.reward_model_uri, cfg.storage_options, manifest=inputs["reward_model"])
-        kind = check_reward_model(rm_dir, cfg.value_head_prefix)
+        kind = check_reward_model(rm_dir, cfg.value_head_prefix, cfg.prm_tokens)
         model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
     elif cfg.reward_func_path:
         load_reward_func(cfg.reward_func_path, cfg.storage_options)  # exists and defines reward_func
-    if cfg.prm_aggregate and kind != "prm":
-        raise ConfigError(f"prm_aggregate={cfg.prm_aggregate} applies to a process reward model; "
-                          f"{cfg.reward_model_uri or cfg.reward_func_path or cfg.remote_rm_url} is not one")
+    for k in ("prm_aggregate", "prm_tokens"):
+        if getattr(cfg, k) and kind != "prm":
+            raise ConfigError(f"{k}={getattr(cfg, k)} applies to a process reward model; "
+                              f"{cfg.reward_model_uri or cfg.reward_func_path or cfg.remote_rm_url} is not one")
     if kind == "prm":  # every response must hold steps the PRM can rate
-        token = json.loads((rm_dir / "config.json").read_text())["prm_placeholder_token"]
+        token = (cfg.prm_tokens or [json.loads((rm_dir / "config.json").read_text())["prm_placeholder_token"]])[0]
         bad = [i for i, r in enumerate(rows) if token not in r["response"]]
         if bad:
             raise data.DataError(f"{cfg.samples_uri} row {bad[0]}: key 'response' has no step placeholder {token!r} "
@@ -97,6 +103,7 @@ def run(cfg: Config) -> store.Manifest:
     # 3. score
     spec = RewardSpec(model=model, func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
                       value_head_prefix=cfg.value_head_prefix, prm_aggregate=cfg.prm_aggregate or "min",
+                      prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None,
                       normalize=cfg.normalize_reward, max_len=cfg.max_len,
                       append_eos=cfg.append_eos, batch_size=cfg.batch_size, dtype=cfg.dtype, timeout_s=cfg.timeout_s,
                       retries=cfg.retries, storage_options=cfg.storage_options)

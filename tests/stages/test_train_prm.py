@@ -3,15 +3,13 @@ from ~0.5 untrained to > 0.9, measured through the score stage), the score stage
 config.json and writes per-step rewards with their aggregate, and bad PRM data, tokens and samples are
 refused by name with nothing committed."""
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlhf_core import data, demo_task, store, tiny as tiny_mod
-from rlhf_core.rewards import RewardSpec, compute_rewards
-from rlhf_core.train.methods import prm
+from rlhf_core.rewards import RewardError, RewardSpec, compute_rewards
 from stages import score, train_prm
 from stages.common import ConfigError
 
@@ -59,8 +57,8 @@ def step_accuracy(scored: list[dict], rows: list[dict]) -> float:
 
 def test_prm_learns_held_out_step_labels_and_scores_per_step(trained, prm_base, tmp_path):
     """48 steps (384 rows x 2 epochs) of the PRM loss; then the score stage, given the PRM as any reward model
-    (no flag), rates each held-out step: accuracy > 0.9, where the same scoring of the untrained model (its
-    folder marked as a PRM) is near chance. The reward is the min of the step rewards (the default), and
+    (no flag), rates each held-out step: accuracy > 0.9, where the same scoring of the untrained model (a
+    plain causal-LM folder, named a PRM by prm_tokens) is near chance. The reward is the min of the step rewards (the default), and
     `last` / `mean` are those reductions of the same step values."""
     m, prm_dir = trained
     assert m.stage == "train_prm" and m.metrics["steps_done"] == 48 and m.metrics["rows"] == 384
@@ -71,14 +69,10 @@ def test_prm_learns_held_out_step_labels_and_scores_per_step(trained, prm_base, 
     assert [k for k in before if torch.equal(before[k], after[k])] == []
 
     samples, rows = held_out_samples(tmp_path)
-    untrained = tmp_path / "untrained-prm"
-    shutil.copytree(prm_base, untrained)
-    (untrained / "config.json").write_text(json.dumps({**json.loads((prm_base / "config.json").read_text()),
-                                                       **{k: cfg[k] for k in prm.CONFIG_KEYS}}))
     accuracy = {}
-    for name, model in (("before", untrained), ("after", prm_dir)):
+    for name, model, tokens in (("before", prm_base, list(TOKENS)), ("after", prm_dir, None)):
         out = score.run(score.Config(samples_uri=samples, reward_model_uri=str(model), output_uri=str(tmp_path / name),
-                                     num_engines=0))
+                                     prm_tokens=tokens, num_engines=0))
         scored = store.read_table(out.uri).to_pylist()
         accuracy[name] = step_accuracy(scored, rows)
         assert all(r["reward"] == min(r["step_rewards"]) for r in scored) and out.metrics["prm_aggregate"] == "min"
@@ -106,6 +100,12 @@ def test_score_refuses_samples_without_steps_and_aggregate_without_prm(trained, 
         score.run(score.Config(samples_uri=uri, reward_model_uri=str(prm_dir), output_uri=str(tmp_path / "s"), num_engines=0))
     with pytest.raises(ConfigError, match=r"prm_aggregate=last applies to a process reward model"):
         score.run(score.Config(samples_uri=uri, reward_model_uri=tiny.reward_uri, prm_aggregate="last",
+                               output_uri=str(tmp_path / "s"), num_engines=0))
+    with pytest.raises(RewardError, match=r"prm_tokens name a process reward model, a causal LM; .*ForSequenceClassification"):
+        score.run(score.Config(samples_uri=uri, reward_model_uri=tiny.reward_uri, prm_tokens=list(TOKENS),
+                               output_uri=str(tmp_path / "s"), num_engines=0))
+    with pytest.raises(RewardError, match=r"process reward model with tokens \['ки', '\+', '-'\], not prm_tokens"):
+        score.run(score.Config(samples_uri=uri, reward_model_uri=str(prm_dir), prm_tokens=["ки", "-", "+"],
                                output_uri=str(tmp_path / "s"), num_engines=0))
     assert not store.committed_any(str(tmp_path / "s"))
 
