@@ -193,7 +193,8 @@ def prepare_inputs(p: LoopParams, run: dict):
     report.links.update({"prompts": prompts["uri"], **({"reward_model": reward.get("reward_model_uri")}
                                                        if reward.get("reward_model_uri") else {})})
     report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold, reward_model_uri=reward.get("reward_model_uri"),
-                           remote_rm_url=reward.get("remote_rm_url"), reference_uri=policy)  # KL to the initial policy
+                           remote_rm_url=reward.get("remote_rm_url"), reference_uri=policy,  # KL to the initial policy
+                           **{k: p.score[k] for k in ("prm_aggregate", "prm_tokens") if p.score.get(k)})  # a PRM as score uses it
     evaluate_and_report(p, report, 0, policy, reward, [])
     return policy, reward, prompts["uri"], report
 

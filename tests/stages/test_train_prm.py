@@ -158,3 +158,26 @@ def test_flow_config_with_a_prm_reward_validates(trained):
         p = load_config(iterative_dpo.Params, None, {"root": "/tmp/x", "pretrain_uri": "p", "prompt_data": "d",
                                                      "reward_func_file": "r.py", "score": {"prm_aggregate": "last"}})
         common.validate(p, "iterative_dpo", iterative_dpo.checks(p))
+
+
+def test_eval_scores_with_a_prm_as_score_does(trained, prm_base, tiny, tmp_path):
+    """eval with the PRM as reward model (prompts templated to end in one step, so every text has a
+    placeholder): each sample's rm_reward is the `last` aggregate of its step rewards, as compute_rewards gives
+    it; prm_aggregate with a reward model that is not a PRM is refused before sampling."""
+    from stages import eval as eval_stage, prepare
+
+    _, prm_dir = trained
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"input": f"Review of the {t}:"}) + "\n" for t in ("tea", "lamp")))
+    prompts = prepare.run(prepare.Config(kind="prompts", data=str(src), output_uri=str(tmp_path / "prompts"))).uri
+    cfg = dict(policy_uri=str(prm_base), prompts_uri=prompts, prompt_template="{prompt} great so ки\n",
+               samples_per_prompt=2, max_new_tokens=6, prm_aggregate="last")
+    m = eval_stage.run(eval_stage.Config(**cfg, reward_model_uri=str(prm_dir), output_uri=str(tmp_path / "eval")))
+    rows = store.read_table(m.uri).to_pylist()
+    again = compute_rewards(RewardSpec(model=str(prm_dir), prm_aggregate="last"), [r["prompt"] for r in rows],
+                            [r["response"] for r in rows])
+    assert [r["rm_reward"] for r in rows] == pytest.approx([s[-1] for s in again.step_rewards], abs=1e-6)
+    assert m.metrics["rm_reward"] == pytest.approx(sum(again.rewards) / len(rows), abs=1e-6)
+    with pytest.raises(ConfigError, match=r"eval: prm_aggregate / prm_tokens apply to a process reward model"):
+        eval_stage.run(eval_stage.Config(**cfg, reward_model_uri=tiny.reward_uri, output_uri=str(tmp_path / "e2")))
+    assert not store.committed_any(str(tmp_path / "e2"))
