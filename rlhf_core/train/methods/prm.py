@@ -30,7 +30,9 @@ def token_id(tok, token: str, what: str) -> int:
 
 def encode(tok, text: str, placeholder_id: int, max_len: int, bos: bool) -> tuple[list[int], int]:
     """(token ids of the text, cut to max_len from the right; placeholders present in them). The whole text is
-    tokenized at once, as OpenRLHF does, so a PRM trained there scores the same here."""
+    tokenized at once (as OpenRLHF and Math-Shepherd do), with one BOS in front where the tokenizer uses one
+    (rlhf_core.models.prompt_ids, this project's convention; Math-Shepherd's inference has it, OpenRLHF's PRM
+    dataset leaves it out). Training and scoring both come through here."""
     from rlhf_core.models import prompt_ids
 
     ids = prompt_ids(tok, text, bos)[:max_len]
@@ -129,7 +131,7 @@ def summarize(totals: dict[str, float], n: int) -> dict:
 
 
 def saved_config(final: dict, spec: dict) -> dict:
-    return {"prm_placeholder_token": spec["placeholder_token"], "prm_reward_tokens": list(spec["reward_tokens"])}
+    return dict(zip(CONFIG_KEYS, (spec["placeholder_token"], list(spec["reward_tokens"]))))
 
 
 def aggregate(step_rewards: list[float], how: str = "min") -> float:
