@@ -130,6 +130,13 @@ def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path, capsy
         f.write_text("\n".join(json.dumps(r) for r in rows))
         with pytest.raises(data.DataError, match=msg):
             train_prm.run(train_prm.Config(**cfg, dataset_uri=str(f)))
+    art = str(tmp_path / "steps-artifact")  # a committed artifact's rows are checked the same way
+    w = store.ArtifactWriter(art, "data", {})
+    w.begin()
+    w.write_table("rows.parquet", data.to_table([{"input": r["input"]} for r in good], "sft"))
+    w.commit()
+    with pytest.raises(data.DataError, match=r"steps-artifact row 0: key 'value' must be a non-empty list of step labels"):
+        train_prm.run(train_prm.Config(**cfg, dataset_uri=art))
     from flows import cli  # the same refusal from the command line: one error line, exit 2
 
     assert cli.main(["stage", "train_prm", f"base_uri={prm_base}", f"dataset_uri={tmp_path / 'no_placeholder.jsonl'}",
