@@ -30,7 +30,7 @@ SCHEMAS: dict[str, dict[str, pa.DataType]] = {
                 "response_tokens": pa.int32(), "finish_reason": pa.string(), "logprob": pa.float64(), "label": pa.string()},
     "scored": {"prompt": pa.string(), "response": pa.string(), "sample_index": pa.int32(), "reward": pa.float64(),
                "score": pa.float64(), "label": pa.string(), "prompt_tokens": pa.int32(), "response_tokens": pa.int32(),
-               "finish_reason": pa.string(), "logprob": pa.float64()},
+               "finish_reason": pa.string(), "logprob": pa.float64(), "step_rewards": pa.list_(pa.float64())},
     "pairs": {"prompt": pa.string(), "chosen": pa.string(), "rejected": pa.string(), "chosen_reward": pa.float64(),
               "rejected_reward": pa.float64(), "margin": pa.float64(), "ref_chosen_logp": pa.float64(),
               "ref_rejected_logp": pa.float64(), "chosen_finished": pa.bool_(), "rejected_finished": pa.bool_()},

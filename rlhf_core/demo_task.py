@@ -100,3 +100,27 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[str | None]
 
     responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
     return {"rewards": torch.tensor([gold_reward(r) for r in responses], dtype=torch.float32)}
+
+
+# ---------------------------------------------------------------------------------------------- step labels (PRM)
+PLACEHOLDER, REWARD_TOKENS = "ки", ["+", "-"]  # Math-Shepherd's step tag and labels (OpenRLHF train_prm's example)
+
+
+def step_rows(n: int, seed: int = 0, held_out: bool = False) -> list[dict]:
+    """Step-labelled rows in Math-Shepherd's shape for a process reward model: {"input": a prompt and 2-4
+    review steps, each ending in " ки", "value": one of "+" / "-" per step}. A step is 2-4 words, one of them
+    a positive or a negative word, the rest neutral; its label is "+" iff its gold reward is positive. Held-out
+    rows use the held-out things and another seed."""
+    train, test = split_things(seed)
+    rng = random.Random(seed + (7 if held_out else 6))
+    rows = []
+    for _ in range(n):
+        steps, labels = [], []
+        for _ in range(rng.randint(2, 4)):
+            good = rng.random() < 0.5
+            words = [rng.choice(NEUTRAL) for _ in range(rng.randint(1, 3))]
+            words.insert(rng.randint(0, len(words)), rng.choice(POSITIVE if good else NEGATIVE))
+            steps.append(" ".join(words) + f" {PLACEHOLDER}")
+            labels.append(REWARD_TOKENS[0] if gold_reward(" ".join(words)) > 0 else REWARD_TOKENS[1])
+        rows.append({"input": prompt_for(rng.choice(test if held_out else train)) + " " + "\n".join(steps), "value": labels})
+    return rows

@@ -12,6 +12,13 @@ Sources (exactly one per RewardSpec):
               mask so padding never changes a score. Normalisation: (r - reward_mean) / reward_std when the
               model's config.json holds `reward_mean`/`reward_std` (written by train_rm), or OpenRLHF's
               `normalize_reward` + `mean`/`std`. Sorted by length, batched, on Ray actors like generation.
+              Or a process reward model (train_prm; its config.json names `prm_placeholder_token` and
+              `prm_reward_tokens`): the text prompt + response is tokenized whole (as train_prm did), each
+              step's reward is the softmax probability of the positive (first) reward token over the reward
+              tokens at that step's placeholder, and the reward is `prm_aggregate` of the steps: min (the
+              default: a solution is as good as its weakest step, Math-Shepherd's verifier, arXiv:2312.08935),
+              last, or mean; `step_rewards` holds the per-step values. A causal-LM PRM trained elsewhere
+              (e.g. Math-Shepherd's) is named by `prm_tokens`: its placeholder, then its reward tokens.
   func_path   a Python file defining OpenRLHF's `reward_func(queries, prompts, labels)` (queries are
               prompt + response) returning a tensor/list or a dict with `rewards` (+ `scores`, `extra_logs`).
   remote_url  an HTTP reward server in OpenRLHF's serve_rm shape: POST {"query", "prompts", "labels"} ->
@@ -44,6 +51,8 @@ class RewardSpec:
     func_path: str | None = None
     remote_url: str | None = None
     value_head_prefix: str = "value_head"
+    prm_aggregate: str = "min"  # a process reward model's reduction of its step rewards: min | last | mean
+    prm_tokens: tuple[str, ...] | None = None  # a plain causal LM as a PRM: (placeholder, positive, negative, ...)
     normalize: bool = True  # apply the mean/std stored in the reward model's config, when present
     max_len: int = 1024  # tokens of prompt + response (+ EOS); longer texts are cut as train_rm cuts them
     append_eos: bool = True
@@ -66,17 +75,28 @@ class Rewards:
     rewards: list[float]
     scores: list[float] | None = None
     extra_logs: dict = field(default_factory=dict)
+    step_rewards: list[list[float]] | None = None  # a process reward model's per-step rewards
 
 
 # ---------------------------------------------------------------------------------------------- reward model
-def check_reward_model(path: str | Path, value_head_prefix: str = "value_head") -> str:
-    """"seq_cls" or "value_head" for a reward-model folder; RewardError when it is not one."""
+def check_reward_model(path: str | Path, value_head_prefix: str = "value_head", prm_tokens=None) -> str:
+    """"seq_cls", "value_head" or "prm" (a process reward model: its config.json names its tokens, or
+    `prm_tokens` names them for a plain causal LM) for a reward-model folder; RewardError when it is not one."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise RewardError(f"{path} is not a reward model: it has no config.json")
     cfg = json.loads(cfg_file.read_text())
+    if cfg.get("prm_placeholder_token"):  # written by train_prm (rlhf_core.train.methods.prm.CONFIG_KEYS)
+        saved = (cfg["prm_placeholder_token"], *cfg.get("prm_reward_tokens", ()))
+        if prm_tokens and tuple(prm_tokens) != saved:
+            raise RewardError(f"{path} is a process reward model with tokens {list(saved)}, not prm_tokens {list(prm_tokens)}")
+        return "prm"
     archs = cfg.get("architectures") or []
+    if prm_tokens:
+        if not any(a.endswith("ForCausalLM") for a in archs):
+            raise RewardError(f"prm_tokens name a process reward model, a causal LM; {path} is {archs}")
+        return "prm"
     if any(a.endswith("ForSequenceClassification") for a in archs):
         if cfg.get("num_labels", len(cfg.get("id2label") or {0: 0})) != 1:
             raise RewardError(f"{path} is a classifier with {len(cfg.get('id2label', {}))} labels, not a scalar reward model")
@@ -109,11 +129,27 @@ class RMEngine:
         from rlhf_core.train.batches import Encoder
 
         path = _local_model(model, spec.storage_options)
-        kind = check_reward_model(path, spec.value_head_prefix)
+        kind = check_reward_model(path, spec.value_head_prefix, spec.prm_tokens)
         self.device = "cuda" if _cuda() else "cpu"
         dtype = _torch_dtype(spec.dtype)
         self.tok = AutoTokenizer.from_pretrained(path)
-        if kind == "seq_cls":
+        self.prm = None
+        if kind == "prm":
+            from transformers import AutoModelForCausalLM
+
+            from rlhf_core.train.methods import prm
+
+            cfg = AutoConfig.from_pretrained(path)
+            token, *reward_tokens = spec.prm_tokens or (cfg.prm_placeholder_token, *cfg.prm_reward_tokens)
+            try:
+                ids = (prm.token_id(self.tok, token, f"PRM {model}: placeholder token"),
+                       [prm.token_id(self.tok, t, f"PRM {model}: reward token") for t in reward_tokens])
+            except ValueError as e:
+                raise RewardError(str(e)) from None
+            self.prm = (token, *ids)
+            self.body = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            self.head = torch.nn.Identity()
+        elif kind == "seq_cls":
             full = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
             self.body = full.base_model
             self.head = getattr(full, "score", None) or getattr(full, "classifier")
@@ -155,8 +191,14 @@ class RMEngine:
         return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
 
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        return [r for r, _ in self.rate(pairs)]
+
+    def rate(self, pairs: list[tuple[str, str]]) -> list[tuple[float, list[float] | None]]:
+        """(reward, a PRM's per-step rewards or None) of each (prompt, response)."""
         import torch
 
+        if self.prm is not None:
+            return self._rate_steps(pairs)
         enc = [self.encode(p, r) for p, r in pairs]
         out = [0.0] * len(enc)
         order = sorted(range(len(enc)), key=lambda i: -len(enc[i]))
@@ -166,7 +208,31 @@ class RMEngine:
                 vals = self.forward([enc[i] for i in idx]).cpu().tolist()
             for i, v in zip(idx, vals):
                 out[i] = v if self.stats is None else (v - self.stats[0]) / self.stats[1]
-        return out
+        return [(v, None) for v in out]
+
+    def _rate_steps(self, pairs: list[tuple[str, str]]) -> list[tuple[float, list[float]]]:
+        """A PRM's step rewards P(positive reward token) at each placeholder, and their prm_aggregate."""
+        import torch
+
+        from rlhf_core.train.methods import prm
+
+        token, ph, reward_ids = self.prm
+        bos = models.adds_bos(self.tok)
+        enc = [prm.encode(self.tok, p + r, ph, self.spec.max_len, bos) for p, r in pairs]
+        for k, (ids, n) in enumerate(enc):
+            if n == 0:
+                raise RewardError(f"process reward model: text {k} of this batch has no step placeholder {token!r} "
+                                  f"within max_len {self.spec.max_len} tokens ({pairs[k][1][:60]!r}...)")
+        out: list = [None] * len(enc)
+        order = sorted(range(len(enc)), key=lambda i: -len(enc[i][0]))
+        for s in range(0, len(order), self.spec.batch_size):
+            idx = order[s:s + self.spec.batch_size]
+            with torch.no_grad():
+                logits, sample, _ = prm.reward_logits(self.body, [enc[i][0] for i in idx], self.pad_id, ph, reward_ids)
+            p = torch.softmax(logits, -1)[:, 0].cpu().tolist()  # (N,) P(positive token), samples in order
+            for j, i in enumerate(idx):
+                out[i] = [v for v, b in zip(p, sample.tolist()) if b == j]
+        return [(prm.aggregate(v, self.spec.prm_aggregate), v) for v in out]
 
 
 # ---------------------------------------------------------------------------------------------- reward_func file
@@ -247,8 +313,10 @@ def compute_rewards(spec: RewardSpec, prompts: list[str], responses: list[str], 
     kind = spec.kind
     if kind == "model":
         gpus = 1 if (num_engines > 0 and _cuda()) else 0
-        out = Rewards(run_engines(RMEngine, (spec.model, spec), "score", list(zip(prompts, responses)), {},
-                                  num_engines, ray_address, num_gpus_per_engine=gpus))
+        rated = run_engines(RMEngine, (spec.model, spec), "rate", list(zip(prompts, responses)), {}, num_engines,
+                            ray_address, num_gpus_per_engine=gpus)
+        steps = [s for _, s in rated]
+        out = Rewards([r for r, _ in rated], step_rewards=steps if steps and steps[0] is not None else None)
         what = f"reward model {spec.model}"
     else:
         fn = load_reward_func(spec.func_path, spec.storage_options) if kind == "func_path" else None

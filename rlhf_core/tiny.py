@@ -21,7 +21,9 @@ CHAT_TEMPLATE = (
 SPECIAL = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
-def build_tokenizer(out_dir: str | Path, lines: list[str], vocab_size: int = 400):
+def build_tokenizer(out_dir: str | Path, lines: list[str], vocab_size: int = 400, added_tokens: tuple[str, ...] = ()):
+    """`added_tokens`: whole tokens split out before BPE (a PRM's step placeholder and reward tokens), so each
+    is one id wherever it stands, as in the real PRM tokenizers that carry them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,6 +33,7 @@ def build_tokenizer(out_dir: str | Path, lines: list[str], vocab_size: int = 400
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL.values()),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(lines, trainer)
+    tok.add_tokens(list(added_tokens))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, padding_side="left",
                                    model_max_length=512, **SPECIAL)
     fast.save_pretrained(str(out_dir))

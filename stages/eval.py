@@ -8,19 +8,23 @@ log pi(y|x) - log ref(y|x) summed over the sampled responses' tokens and divided
 when sampling at temperature 1, top_p 1; http://joschu.net/blog/kl-approx.html), and the mean response length. It reuses the generate and score
 machinery (rlhf_core.generation / rlhf_core.rewards) in-process by default: eval sets are small.
 
+A process reward model as reward_model_uri scores as in the score stage (`prm_aggregate`, `prm_tokens`;
+the loops pass score's settings), so eval's rm_reward is the loop's reward.
+
     rlhf-flows stage eval policy_uri=... prompts_uri=... reward_model_uri=... output_uri=...
 """
 from __future__ import annotations
 
 import statistics
+from typing import Literal
 
 import pyarrow as pa
 from pydantic import Field
 
 from rlhf_core import models, store
 from rlhf_core.generation import EngineSpec, SamplingSpec, generate, model_input
-from rlhf_core.rewards import RewardSpec, compute_rewards
-from stages.common import StageConfig, stage_task
+from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards
+from stages.common import ConfigError, StageConfig, stage_task
 
 
 class Config(StageConfig):
@@ -29,6 +33,10 @@ class Config(StageConfig):
     reward_model_uri: str | None = Field(None, description="Reward model scoring the samples.")
     remote_rm_url: str | None = Field(None, description="Remote reward server scoring the samples (instead of reward_model_uri).")
     gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func(queries, prompts, labels).")
+    prm_aggregate: Literal["min", "last", "mean"] | None = Field(None, description="Process reward model only: the "
+                                                                 "reward from its step rewards (default min), as score.")
+    prm_tokens: list[str] | None = Field(None, min_length=3, description="A plain causal LM as a process reward model: "
+                                         "placeholder, then reward tokens (positive first), as score.")
     reference_uri: str | None = Field(None, description="Reference model (e.g. the initial policy): report KL(policy || "
                                       "reference) per response token.")
     prompt_template: str | None = Field(None, description="Applied to each prompt, e.g. '{prompt} <rm_score>: 1.00 ' "
@@ -55,6 +63,11 @@ def run(cfg: Config) -> store.Manifest:
     inputs = {"policy": policy_m, "prompts": prompts_m}
     if cfg.reward_model_uri:
         inputs["reward_model"] = model_input(cfg.reward_model_uri, cfg.storage_options)[1]
+    if cfg.prm_aggregate or cfg.prm_tokens:
+        if not cfg.reward_model_uri or check_reward_model(model_input(cfg.reward_model_uri, cfg.storage_options)[0],
+                                                          prm_tokens=cfg.prm_tokens) != "prm":
+            raise ConfigError(f"eval: prm_aggregate / prm_tokens apply to a process reward model; reward_model_uri "
+                              f"{cfg.reward_model_uri} is not one")
     if cfg.gold_reward_file:
         inputs["gold_reward"] = store.source_manifest(cfg.gold_reward_file, cfg.storage_options)
     if cfg.reference_uri:
@@ -88,7 +101,8 @@ def run(cfg: Config) -> store.Manifest:
             s["kl"] = k
     if cfg.reward_model_uri:
         rm_dir = str(model_input(cfg.reward_model_uri, cfg.storage_options)[0])
-        rm = compute_rewards(RewardSpec(model=rm_dir, storage_options=cfg.storage_options), prompts, responses, labels)
+        rm = compute_rewards(RewardSpec(model=rm_dir, storage_options=cfg.storage_options, prm_aggregate=cfg.prm_aggregate or "min",
+                                        prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None), prompts, responses, labels)
         for s, r in zip(samples, rm.rewards):
             s["rm_reward"] = r
         metrics["rm_reward"] = _mean(rm.rewards)

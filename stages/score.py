@@ -5,6 +5,11 @@ source (rlhf_core.rewards): a reward model (sequence classifier or OpenRLHF valu
 `num_engines` Ray actors, normalised by the mean/std in its config), a Python file with OpenRLHF's
 `reward_func(queries, prompts, labels)`, or a remote reward server (OpenRLHF serve_rm shape). Rewards must
 be finite. Note: a remote server's model is outside the fingerprint; only its URL enters it.
+A process reward model (from train_prm; recognised by its config.json, no flag) scores every step that ends
+with its placeholder token: `step_rewards` (a list column) holds the steps' rewards, `reward` their
+`prm_aggregate` (min by default: the weakest step, as Math-Shepherd ranks solutions; or last, or mean).
+A causal-LM PRM trained elsewhere is named by `prm_tokens` (placeholder, then reward tokens, positive first).
+Samples whose response has no placeholder are refused by row before any scoring.
 
     rlhf-flows stage score samples_uri=... reward_model_uri=... output_uri=...
     rlhf-flows serve-rm s3://b/rm --port 5000     # then, elsewhere:
@@ -12,14 +17,16 @@ be finite. Note: a remote server's model is outside the fingerprint; only its UR
 """
 from __future__ import annotations
 
+import json
 import math
 import time
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from rlhf_core import data, store
 from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
-from stages.common import StageConfig, stage_task
+from stages.common import ConfigError, StageConfig, stage_task
 
 
 class Config(StageConfig):
@@ -28,6 +35,13 @@ class Config(StageConfig):
     reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels).")
     remote_rm_url: str | None = Field(None, description="HTTP reward server (POST query/prompts/labels -> rewards).")
     value_head_prefix: str = Field("value_head", description="OpenRLHF value-head weight name in the reward model.")
+    prm_aggregate: Literal["min", "last", "mean"] | None = Field(None, description=
+                                    "Process reward model only: the reward from the step rewards (default min, "
+                                    "the weakest step, as Math-Shepherd; last; mean).")
+    prm_tokens: list[str] | None = Field(None, min_length=3, description=
+                                         "A plain causal LM as a process reward model (one not trained here, e.g. "
+                                         "Math-Shepherd's): its placeholder token, then its reward tokens, the "
+                                         "positive first, e.g. [ки, +, -]. A train_prm artifact names its own.")
     normalize_reward: bool = Field(True, description="Apply reward_mean/reward_std from the reward model's config.")
     max_len: int = Field(2048, ge=2, description="Max tokens of prompt + response scored by the reward model.")
     append_eos: bool = Field(True, description="Append EOS before scoring with the reward model (as OpenRLHF does).")
@@ -66,18 +80,31 @@ def run(cfg: Config) -> store.Manifest:
     rows = table.to_pylist()
     if not rows:
         raise data.DataError(f"{cfg.samples_uri}: no samples to score")
-    model = None
+    model, kind = None, None
     if cfg.reward_model_uri:
         rm_dir = store.fetch_model(cfg.reward_model_uri, cfg.storage_options, manifest=inputs["reward_model"])
-        check_reward_model(rm_dir, cfg.value_head_prefix)
+        kind = check_reward_model(rm_dir, cfg.value_head_prefix, cfg.prm_tokens)
         model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
     elif cfg.reward_func_path:
         load_reward_func(cfg.reward_func_path, cfg.storage_options)  # exists and defines reward_func
+    for k in ("prm_aggregate", "prm_tokens"):
+        if getattr(cfg, k) and kind != "prm":
+            raise ConfigError(f"{k}={getattr(cfg, k)} applies to a process reward model; "
+                              f"{cfg.reward_model_uri or cfg.reward_func_path or cfg.remote_rm_url} is not one")
+    if kind == "prm":  # every response must hold steps the PRM can rate
+        token = (cfg.prm_tokens or [json.loads((rm_dir / "config.json").read_text())["prm_placeholder_token"]])[0]
+        bad = [i for i, r in enumerate(rows) if token not in r["response"]]
+        if bad:
+            raise data.DataError(f"{cfg.samples_uri} row {bad[0]}: key 'response' has no step placeholder {token!r} "
+                                 f"of the process reward model {cfg.reward_model_uri} ({len(bad)} of {len(rows)} rows "
+                                 f"lack it): a PRM scores steps that end with it")
     w.begin()
 
     # 3. score
     spec = RewardSpec(model=model, func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
-                      value_head_prefix=cfg.value_head_prefix, normalize=cfg.normalize_reward, max_len=cfg.max_len,
+                      value_head_prefix=cfg.value_head_prefix, prm_aggregate=cfg.prm_aggregate or "min",
+                      prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None,
+                      normalize=cfg.normalize_reward, max_len=cfg.max_len,
                       append_eos=cfg.append_eos, batch_size=cfg.batch_size, dtype=cfg.dtype, timeout_s=cfg.timeout_s,
                       retries=cfg.retries, storage_options=cfg.storage_options)
     t0 = time.perf_counter()
@@ -89,6 +116,8 @@ def run(cfg: Config) -> store.Manifest:
     for k, r in enumerate(rows):
         r["reward"] = out.rewards[k]
         r["score"] = out.scores[k] if out.scores is not None else None
+        if out.step_rewards is not None:
+            r["step_rewards"] = out.step_rewards[k]
     w.write_table("scored.parquet", data.to_table(rows, "scored"))
     rw = out.rewards
     mean = sum(rw) / len(rw)
@@ -98,6 +127,8 @@ def run(cfg: Config) -> store.Manifest:
         "rows": len(rows), "reward_mean": mean, "reward_std": std, "reward_min": min(rw), "reward_max": max(rw),
         "score_seconds": seconds, "rows_per_s": len(rows) / seconds if seconds > 0 else None,
         "tokens_per_s": tokens / seconds if seconds > 0 and tokens else None,
+        **({"prm_aggregate": cfg.prm_aggregate or "min", "prm_steps": sum(map(len, out.step_rewards))}
+           if out.step_rewards is not None else {}),
         "source": "reward_model" if cfg.reward_model_uri else "reward_func" if cfg.reward_func_path else "remote",
         **{f"extra/{k}": v for k, v in out.extra_logs.items()}})
 

@@ -321,7 +321,7 @@ def main(spec_ref: str) -> None:
     tok = torch.tensor([tokens_done], dtype=torch.float64)
     dist.all_reduce(tok)
     final = evaluate(engine, spec, method, records, rank, world, pad_id) if hasattr(method, "summarize") else {}
-    save_final(engine, spec, method, rank, method.saved_config(final) if hasattr(method, "saved_config") else {})
+    save_final(engine, spec, method, rank, method.saved_config(final, spec) if hasattr(method, "saved_config") else {})
     if rank == 0:
         seen = [i for h in history for i in h["samples"]]
         result = {"steps_done": len(history) and history[-1]["step"], "planned_steps": total, "samples_seen": len(seen),

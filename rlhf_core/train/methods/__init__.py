@@ -10,7 +10,8 @@ A method module defines
     summarize(totals, n) -> dict          optional: the final metrics over the training set from each metric
                                           summed over its n records (evaluated after training with step under
                                           no_grad); without it, no final pass runs
-    saved_config(final) -> dict           optional: keys written into the saved model's config.json
+    saved_config(final, spec) -> dict     optional: keys written into the saved model's config.json (from the
+                                          final metrics and the job spec)
 and the tokenization its stage uses (records are plain dicts: `ids`/`start`, or `chosen_ids`/`rejected_ids`...;
 batches.seq_len orders them). The stage passes method-specific settings in the job spec; the spec's
 `method` names the module. A new trainer is one module here plus its stage file.

@@ -43,5 +43,5 @@ def summarize(totals: dict[str, float], n: int) -> dict:
     return out
 
 
-def saved_config(final: dict) -> dict:
+def saved_config(final: dict, spec: dict) -> dict:
     return {"reward_mean": final["reward_mean"], "reward_std": final["reward_std"]}
