@@ -11,6 +11,9 @@ A method module defines
                                           summed over its n records (evaluated after training with step under
                                           no_grad); without it, no final pass runs
     saved_config(final) -> dict           optional: keys written into the saved model's config.json
+    setup(engine, spec) -> dict           optional: called once after the engine is built; loads what else the
+                                          step needs (e.g. kd's frozen teacher) and returns it as keys merged
+                                          into the spec that step and summarize's pass receive
 and the tokenization its stage uses (records are plain dicts: `ids`/`start`, or `chosen_ids`/`rejected_ids`...;
 batches.seq_len orders them). The stage passes method-specific settings in the job spec; the spec's
 `method` names the module. A new trainer is one module here plus its stage file.
