@@ -93,3 +93,25 @@ def test_multiturn_bad_input_is_refused_by_name(tiny, tmp_path):
         with pytest.raises(ValueError, match=f"multiturn reads whole conversations .* does not use {next(iter(bad))}"):
             sft.Config(**cfg, dataset_uri=str(flat), **bad)
     assert not store.committed_any(str(tmp_path / "o"))
+
+
+def test_multiturn_spans_are_the_assistant_turns_padded_or_packed(tiny):
+    """Each span decodes to exactly its turn as the template renders it (content + end-of-turn markup), the
+    final turn with the EOS; padded and packed batches mark the same target tokens; a cut keeps what fits."""
+    from rlhf_core import models
+    from rlhf_core.train.batches import collate
+
+    tok = models.load_tokenizer(tiny.policy_dir)
+    conv = conversation(random.Random(3))
+    (r,), cut = tokenize_multiturn([{"messages": conv}], tok, 128)
+    assert cut == 0 and [tok.decode(r["ids"][a:b]) for a, b in r["start"]] == [
+        conv[1]["content"] + "\n", conv[3]["content"] + "\n", conv[5]["content"] + "\n</s>"]
+    other, _ = tokenize_multiturn([{"messages": conversation(random.Random(4))}], tok, 128)
+    seqs, starts = [r["ids"], other[0]["ids"]], [r["start"], other[0]["start"]]
+    padded, packed = collate(seqs, starts, tok.pad_token_id), collate(seqs, starts, tok.pad_token_id, packed=True)
+    assert torch.equal(padded.targets()[2], packed.targets()[2]) and torch.equal(padded.targets()[3], packed.targets()[3])
+    assert len(padded.targets()[2]) == sum(b - a for s in starts for a, b in s)
+    (short,), cut = tokenize_multiturn([{"messages": conv}], tok, r["start"][1][0] + 2)
+    assert cut == 1 and short["start"] == [r["start"][0], [r["start"][1][0], r["start"][1][0] + 2]]
+    with pytest.raises(DataError, match="row 0: no assistant token within max_len 5"):
+        tokenize_multiturn([{"messages": conv}], tok, 5)
