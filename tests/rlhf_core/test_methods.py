@@ -38,7 +38,7 @@ def test_kto_records_pair_each_prompt_with_another_rows_completion(tiny):
 def test_kd_step_mixes_nll_and_distillation_by_kd_coef(tiny):
     """kd.step on a bare model: kd_coef 0 is sft's loss; kd_coef 1 the token mean of the cross-entropy under
     the teacher; 0.3 the mix 0.7 / 0.3; with the student as its own teacher the KL is 0 and the distillation
-    loss its entropy. The teacher gets no gradient; with teacher_offload it is back in host memory after."""
+    loss its entropy; packed as padded. The teacher gets no gradient; with teacher_offload it is back in host memory after."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,6 +63,7 @@ def test_kd_step_mixes_nll_and_distillation_by_kd_coef(tiny):
     assert abs(l1.item() - l0.item()) > 1e-3 and (m1["kl"] > 0).all() and torch.equal(m0["kl"], m1["kl"])
     l3, _, _ = kd.step(student, spec(0.3), recs, pad)
     assert l3.item() == pytest.approx(0.7 * l0.item() + 0.3 * l1.item(), rel=1e-5)
+    assert kd.step(student, {**spec(0.3), "packing_samples": True}, recs, pad)[0].item() == pytest.approx(l3.item(), rel=1e-4)
     l3.backward()
     assert all(p.grad is None for p in teacher.parameters()) and next(student.parameters()).grad is not None
     assert next(teacher.parameters()).device.type == "cpu" and n0 == sum(len(r["ids"]) for r in recs)
