@@ -243,10 +243,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         pm = by_stage["ppo"]["metrics"]
         row.update(ppo_reward_first=pm.get("first_reward"), ppo_reward_last=pm.get("last_reward"), ppo_kl=pm.get("last_kl"),
                    ppo_steps=pm.get("steps_done"))
-    for name in ("dpo", "kto", "sft"):
+    for name in ("dpo", "kto", "sft", "kd"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]
-            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy", "reward_gap")
+            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy", "reward_gap", "kl")
                         if f"final_{key}" in tm})
             row[f"{name}_steps"] = tm.get("steps_done")
     ec = report.eval_cfg

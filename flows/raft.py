@@ -6,10 +6,14 @@ the loop of OpenRLHF's former examples/scripts/train_rejection_sampling_llama.sh
         score them with the reward model
         rs: keep the best response per prompt (top_k)                     -> SFT rows
         sft(policy_k) on those rows -> policy_{k+1}; evaluate on held-out prompts
+    trainer=kd: the kept rows train through the kd stage instead (distillation from the frozen teacher
+    `kd.teacher_uri`, mixed with the NLL by kd.kd_coef), with the `kd` settings instead of sft_loop's.
 
     rlhf-flows run raft --config configs/demo_raft.yaml
 """
 from __future__ import annotations
+
+from typing import Literal
 
 from prefect import flow
 from pydantic import Field
@@ -17,16 +21,26 @@ from pydantic import Field
 from flows import common
 from flows.common import call, stage_config
 from rlhf_core import store
-from stages import filter as filter_stage, sft
+from stages import filter as filter_stage, kd, sft
+from stages.common import ConfigError
 
 
 class Params(common.LoopParams):
     sft_loop: dict = Field(default_factory=dict, description="SFT settings of the per-iteration fine-tune.")
+    trainer: Literal["sft", "kd"] = Field("sft", description="Per-iteration trainer on the kept rows: sft, or kd "
+                                          "(distillation from kd.teacher_uri mixed with the NLL).")
+    kd: dict = Field(default_factory=dict, description="KD settings with trainer=kd: teacher_uri (required), kd_coef, ...")
 
 
 def checks(p: Params) -> dict:
-    """The flow's own stages and their settings, validated before any work."""
-    return {sft: p.sft_loop}
+    """The flow's own stages and their settings, validated before any work; the other trainer's settings
+    would be ignored, so they are refused."""
+    unused = "sft_loop" if p.trainer == "kd" else "kd"
+    if getattr(p, unused):
+        raise ConfigError(f"raft: trainer={p.trainer} does not read {unused} settings: remove them")
+    if p.trainer == "kd" and not p.kd.get("teacher_uri"):
+        raise ConfigError("raft: trainer=kd needs kd.teacher_uri (the frozen teacher: a committed artifact or a plain HF folder)")
+    return {kd: p.kd} if p.trainer == "kd" else {sft: p.sft_loop}
 
 
 @flow(name="raft", log_prints=True)
@@ -40,8 +54,12 @@ def raft(params: Params) -> dict:
             samples, scored = common.rollout(p, k, policy, prompts, reward)
             best = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "rs"}, scored_uri=scored["uri"],
                                                         output_uri=at("best_of_n"), storage_options=so))
-            trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=best["uri"],
-                                                  output_uri=at("sft"), storage_options=so))
+            if p.trainer == "kd":
+                trained = call(kd.task, stage_config(kd, p.kd, policy_uri=policy, dataset_uri=best["uri"],
+                                                     output_uri=at("kd"), storage_options=so))
+            else:
+                trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=best["uri"],
+                                                      output_uri=at("sft"), storage_options=so))
             policy = trained["uri"]
             common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, best, trained])
     return report.finish()

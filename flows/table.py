@@ -26,7 +26,8 @@ class FlowSpec:
 FLOWS = {
     "iterative-dpo": FlowSpec("flows.iterative_dpo", ("generate", "score", "filter", "reference", "dpo", "eval"),
                               variants=(("trainer", "kto", ("generate", "score", "filter", "kto", "eval")),)),
-    "raft": FlowSpec("flows.raft", ("generate", "score", "filter", "sft", "eval")),
+    "raft": FlowSpec("flows.raft", ("generate", "score", "filter", "sft", "eval"),
+                     variants=(("trainer", "kd", ("generate", "score", "filter", "kd", "eval")),)),
     "conditional-sft": FlowSpec("flows.conditional_sft", ("generate", "score", "filter", "sft", "eval"),
                                 optional=(("eval", "low_target_reward"),)),
     "ppo": FlowSpec("flows.ppo", ("ppo", "eval")),

@@ -281,6 +281,22 @@ def sft_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> l
     return out
 
 
+def conversation_rows(raw: list[tuple[str, int, dict]], key: str) -> list[dict]:
+    """Raw rows -> {"messages": [...]} for multi-turn SFT: `key` must hold a list of {role, content} messages
+    (OpenRLHF's chat format) with at least one assistant message."""
+    out = []
+    for src, i, row in raw:
+        value = _get(row, key, src, i)
+        if not (isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                          and isinstance(m.get("content"), str) for m in value)):
+            raise DataError(f"{src} row {i}: multiturn needs key {key!r} to be a list of {{role, content}} messages, "
+                            f"got {type(value).__name__}")
+        if not any(m["role"] == "assistant" for m in value):
+            raise DataError(f"{src} row {i}: key {key!r} has no assistant message: nothing to train on")
+        out.append({"messages": value})
+    return out
+
+
 def sample_rows(raw: list[tuple[str, int, dict]], fmt: Format, tokenizer=None) -> list[dict]:
     """Raw rows -> `samples` rows (prompt, response, sample_index, label): an existing dataset's responses
     to score and filter like generated ones (OpenRLHF's csft example scores `--input_key chosen` of a

@@ -120,6 +120,23 @@ def nll_per_token(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> torch.T
     return -summed_logps / n_tokens.to(summed_logps.dtype).clamp(min=1)
 
 
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Knowledge distillation per target token (Hinton et al. 2015, arXiv:1503.02531; OpenRLHF's KDLoss, from
+    MiniLLM's finetune.py): the cross-entropy of the student's log-probs under the teacher's softmax over the
+    vocabulary. student_logits, teacher_logits # (N, V) at the N loss targets -> (ce, kl), each # (N,):
+    ce = -sum_v p_t(v) log p_s(v) (the loss; gradient to the student only), and the forward
+    kl = KL(p_t || p_s) = ce - H(p_t) (detached: what the loss lowers, 0 when the student equals the teacher).
+    Vocabulary entries the student masks with -inf logits count 0 (as OpenRLHF's inf mask), not NaN.
+    e.g. teacher logits [0, 0] (p_t = [.5, .5]), student log-probs [log .25, log .75]:
+    ce = -(.5 log .25 + .5 log .75) = 0.836988; kl = ce - log 2 = 0.143841."""
+    logp_s = torch.log_softmax(student_logits.float(), -1)  # (N, V)
+    t = teacher_logits.detach().float()
+    p_t, logp_t = torch.softmax(t, -1), torch.log_softmax(t, -1)
+    ce = -torch.where(torch.isinf(logp_s), 0.0, p_t * logp_s).sum(-1)
+    ent = -torch.where(p_t > 0, p_t * logp_t, 0.0).sum(-1)
+    return ce, (ce - ent).detach()
+
+
 def kto_kl(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
     """KTO's reference point z0 before clamping: the mean of log pi(y'|x) - log ref(y'|x) over mismatched
     pairs (x, y'), y' another example's completion (arXiv:2402.01306 sec. 4.1, a biased estimate of

@@ -2,6 +2,9 @@
 or on every token with `pretrain_mode`. Input: `sft` rows (input, output) from a committed artifact or raw
 OpenRLHF-format sources (input_key / output_key, chat template or input_template). Output: an HF model
 directory (safetensors + tokenizer), committed after the job reached its planned step count.
+`multiturn` (OpenRLHF --multiturn): raw rows whose input_key holds a conversation (a list of {role, content}
+messages), rendered with the chat template, the loss on every assistant turn (batches.tokenize_multiturn),
+not only the last.
 
     rlhf-flows stage sft --config configs/demo.yaml policy_uri=... dataset_uri=... output_uri=...
     multi-GPU: num_gpus=8; multi-node: hostfile=/job/hostfile num_nodes=2
@@ -10,11 +13,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
+
 from rlhf_core import data, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
-from stages.common import StageConfig, stage_task
+from stages.common import ConfigError, StageConfig, stage_task
 
 
 class Config(StageConfig, TrainFields, SourceFields):
@@ -22,8 +26,20 @@ class Config(StageConfig, TrainFields, SourceFields):
     input_key: str = Field("input", description="Prompt key of raw rows.")
     output_key: str | None = Field("output", description="Response key of raw rows (None: last assistant message).")
     pretrain_mode: bool = Field(False, description="Loss on all tokens, prompt included.")
+    multiturn: bool = Field(False, description="Rows are conversations under input_key (lists of {role, content}), "
+                            "rendered with the chat template; the loss covers every assistant turn (OpenRLHF --multiturn).")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
+
+    @model_validator(mode="after")
+    def _multiturn_reads_conversations(self):
+        if self.multiturn:
+            given = [k for k in ("pretrain_mode", "input_template") if getattr(self, k)]
+            given += ["output_key"] if "output_key" in self.model_fields_set and self.output_key else []
+            if given:
+                raise ValueError(f"multiturn reads whole conversations from input_key with the chat template: "
+                                 f"it does not use {', '.join(given)}")
+        return self
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -35,11 +51,22 @@ def run(cfg: Config) -> store.Manifest:
         return done
     model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=model)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
-    fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
-                      input_template=cfg.input_template)
-    rows = load_rows(cfg, "sft", fmt, tok)
-    records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, cfg.pretrain_mode, cfg.overlong, where=cfg.dataset_uri,
-                                        model_dir=model_dir)
+    if cfg.multiturn:
+        if not tok.chat_template:
+            raise ConfigError(f"multiturn: the tokenizer of {cfg.policy_uri} has no chat template "
+                              "(set tokenizer_chat_template)")
+        if "," not in cfg.dataset_uri and store.committed_any(cfg.dataset_uri, cfg.storage_options):
+            raise ConfigError(f"multiturn: {cfg.dataset_uri} is a committed artifact of (input, output) rows, "
+                              "not conversations: give raw rows with message lists")
+        raw = data.load_mixture(cfg.dataset_uri, cfg.dataset_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
+        records, cut = batches.tokenize_multiturn(data.conversation_rows(raw, cfg.input_key), tok, cfg.max_len, cfg.overlong,
+                                                  where=cfg.dataset_uri, model_dir=model_dir)
+    else:
+        fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
+                          input_template=cfg.input_template)
+        rows = load_rows(cfg, "sft", fmt, tok)
+        records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, cfg.pretrain_mode, cfg.overlong, where=cfg.dataset_uri,
+                                            model_dir=model_dir)
     return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut},
                             model_uri=cfg.policy_uri)
 

@@ -72,6 +72,52 @@ def tokenize_sft(rows: list[dict], tok, max_len: int, pretrain_mode: bool = Fals
     return out, cut
 
 
+def tokenize_multiturn(rows: list[dict], tok, max_len: int, overlong: str = "truncate", where: str = "sft data",
+                       model_dir=None) -> tuple[list[dict], int]:
+    """Conversations ({"messages": [{role, content}, ...]}) -> {ids, start: [[a, b], ...]}: the loss covers
+    every assistant turn (OpenRLHF --multiturn). The chat template renders the conversation; a turn's span is
+    the text the template adds for it (content and end-of-turn markup): the render up to and including the
+    turn minus the render of the turns before it with the generation prompt. The text is tokenized piece by
+    piece at those boundaries, so each span boundary falls between tokens (as Encoder does for prompt and
+    response), the first piece with one BOS. A conversation ending on an assistant turn whose span holds no
+    EOS id gets the tokenizer's EOS there, as single-turn SFT appends it. Longer than max_len: cut from the
+    right (spans clipped) or, with overlong=reject, refused. Returns (records, n_cut)."""
+    from rlhf_core import models
+
+    bos, eos = models.adds_bos(tok), models.eos_ids(tok, model_dir)
+
+    def render(msgs, gen=False):
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    out, cut = [], 0
+    for i, r in enumerate(rows):
+        msgs = r["messages"]
+        full = render(msgs)
+        ids, spans, pos = [], [], 0
+        for j in (j for j, m in enumerate(msgs) if m["role"] == "assistant"):
+            before, through = render(msgs[:j], True), render(msgs[:j + 1])
+            if not (through.startswith(before) and full.startswith(through) and len(before) >= pos):
+                raise DataError(f"{where} row {i}: the chat template does not render assistant message {j} as an "
+                                "extension of the messages before it, which multiturn needs")
+            ids += models.prompt_ids(tok, full[:len(before)], bos) if pos == 0 else _ids(tok, full[pos:len(before)])
+            spans.append([len(ids), len(ids) + len(turn := _ids(tok, full[len(before):len(through)]))])
+            ids += turn
+            pos = len(through)
+        if msgs[-1]["role"] == "assistant" and not set(ids[spans[-1][0]:]) & set(eos):
+            ids.append(eos[0])
+            spans[-1][1] += 1
+        ids += _ids(tok, full[pos:])
+        if len(ids) > max_len:
+            if overlong == "reject":
+                raise DataError(f"{where} row {i}: {len(ids)} tokens exceed max_len {max_len} (set overlong=truncate to cut it)")
+            ids, cut = ids[:max_len], cut + 1
+            spans = [[a, min(b, max_len)] for a, b in spans if min(b, max_len) > max(a, 1)]
+            if not spans:
+                raise DataError(f"{where} row {i}: no assistant token within max_len {max_len}")
+        out.append({"ids": ids, "start": spans})
+    return out, cut
+
+
 def tokenize_pairs(rows: list[dict], tok, max_len: int, overlong: str = "truncate", where: str = "pairs data",
                    extra: tuple[str, ...] = (), model_dir=None) -> tuple[list[dict], int]:
     """pairs rows (prompt, chosen, rejected, chosen_finished?, rejected_finished?) ->
@@ -183,16 +229,25 @@ class Batch:
         return r, c, self.input_ids[r, c + 1], self.segment[r, c + 1]
 
 
-def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool = False) -> Batch:
-    """Token lists -> a Batch. Token t of sample i is a loss target iff t >= max(start_i, 1)
-    (the first token of a sample is never predicted from inside the sample)."""
+def loss_targets(start: int | list, length: int) -> torch.Tensor:
+    """Which tokens of a sample are loss targets, # (length,) bool: t >= start, or, when `start` is a list
+    of [a, b) spans (multi-turn SFT: every assistant turn), t in a span; never t = 0 (the first token of a
+    sample is not predicted from inside the sample)."""
+    m = torch.zeros(length, dtype=torch.bool)
+    for a, b in ([(start, length)] if isinstance(start, int) else start):
+        m[max(a, 1):b] = True
+    return m
+
+
+def collate(seqs: list[list[int]], starts: list, pad_id: int, packed: bool = False) -> Batch:
+    """Token lists -> a Batch. The loss targets of sample i are loss_targets(starts[i], len(seqs[i]))."""
     n = len(seqs)
     real = sum(len(s) for s in seqs)
     if packed:
         ids = [t for s in seqs for t in s]
         pos = [p for s in seqs for p in range(len(s))]
         seg = [i for i, s in enumerate(seqs) for _ in s]
-        tgt = [int(p >= max(st, 1)) for s, st in zip(seqs, starts) for p in range(len(s))]
+        tgt = torch.cat([loss_targets(st, len(s)) for s, st in zip(seqs, starts)]).long().tolist()
         ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
         t = lambda x: torch.tensor([x])  # noqa: E731
         # Block-diagonal causal mask # (1, 1, T, T), True = may attend. Position ids alone do not stop
@@ -208,7 +263,7 @@ def collate(seqs: list[list[int]], starts: list[int], pad_id: int, packed: bool 
     for i, (s, st) in enumerate(zip(seqs, starts)):
         ids[i, :len(s)] = torch.tensor(s)
         att[i, :len(s)] = 1
-        tgt[i, max(st, 1):len(s)] = 1
+        tgt[i, :len(s)] = loss_targets(st, len(s))
         seg[i, :len(s)] = i
     pos = torch.arange(T).expand(n, T).clone()
     last = torch.stack([torch.arange(n), torch.tensor([len(s) - 1 for s in seqs])], 1)

@@ -96,23 +96,28 @@ def _parts(model):
     return (getattr(core, core.base_model_prefix), head) if head is not None else None
 
 
-def target_logps(engine, b) -> torch.Tensor:
-    """log p(target) of every loss target of batch `b`, # (N,) in b.targets() order. The LM head runs only on
-    the positions that predict a target (not on prompts or padding), and log_softmax over those rows only."""
+def target_logits(engine, b) -> torch.Tensor:
+    """The logits at every position of batch `b` that predicts a loss target, # (N, V) in b.targets() order.
+    The LM head runs only on those positions (not on prompts or padding). `engine`: a DeepSpeed engine, or a
+    bare model (the inline reference pass, a frozen teacher) on its device."""
+    model = getattr(engine, "module", engine)
     dev = engine.device
-    model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
     att = b.attention_mask.to(dev)
     if att.dim() == 4 and getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask
         att = torch.zeros(att.shape, dtype=torch.float32, device=dev).masked_fill(~att, torch.finfo(torch.float32).min)
     kw = {"input_ids": b.input_ids.to(dev), "attention_mask": att, "position_ids": b.position_ids.to(dev)}
-    rows, cols, tokens, _ = (t.to(dev) for t in b.targets())
+    rows, cols = (t.to(dev) for t in b.targets()[:2])
     parts = _parts(model)
     if parts is None:
-        logits = engine(**kw).logits[rows, cols]  # (N, V)
-    else:
-        backbone, head = parts
-        logits = head(backbone(**kw).last_hidden_state[rows, cols])  # (N, V)
-    return losses.gathered_logprobs(logits, tokens)
+        return engine(**kw).logits[rows, cols]  # (N, V)
+    backbone, head = parts
+    return head(backbone(**kw).last_hidden_state[rows, cols])  # (N, V)
+
+
+def target_logps(engine, b) -> torch.Tensor:
+    """log p(target) of every loss target of batch `b`, # (N,) in b.targets() order (log_softmax over the
+    target rows only)."""
+    return losses.gathered_logprobs(target_logits(engine, b), b.targets()[2].to(engine.device))
 
 
 def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
@@ -281,6 +286,8 @@ def main(spec_ref: str) -> None:
                  "wall_clock_breakdown": False}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
     pad_id = spec["pad_id"]
+    if hasattr(method, "setup"):  # e.g. a frozen teacher the method's step forwards
+        spec = {**spec, **method.setup(engine, spec)}
 
     start, history = 0, []
     if spec.get("resume_dir"):

@@ -212,3 +212,25 @@ def test_the_flow_table_names_every_flow_and_its_stages(monkeypatch):
     raft = cli._flow_module("raft")
     with pytest.raises(ConfigError, match=r"raft: stages \['dpo'\] of flows/table.py are not in the flow's checks"):
         common.validate(raft.Params(demo=True), "raft", raft.checks(raft.Params(demo=True)))
+
+
+def test_raft_with_trainer_kd_is_checked_before_any_work():
+    """raft trainer=kd: the iteration's trainer is the kd stage (table count 5), its settings are validated
+    against stages/kd.py up front; no teacher_uri, the other trainer's settings or a bad kd_coef are refused."""
+    from flows import common, table
+    from stages.common import ConfigError
+
+    raft = cli._flow_module("raft")
+    p = raft.Params(demo=True, trainer="kd", kd={"teacher_uri": "/models/teacher", "kd_coef": 0.5})
+    common.validate(p, "raft", raft.checks(p))
+    assert table.iteration("raft", p) == ("generate", "score", "filter", "kd", "eval")
+    assert table.calls_per_iteration("raft", p) == 5 and "sft" in table.iteration("raft", raft.Params(demo=True))
+    with pytest.raises(ConfigError, match=r"raft: trainer=kd needs kd.teacher_uri"):
+        raft.checks(raft.Params(demo=True, trainer="kd", kd={"kd_coef": 0.5}))
+    with pytest.raises(ConfigError, match=r"raft: trainer=kd does not read sft_loop settings"):
+        raft.checks(raft.Params(demo=True, trainer="kd", kd={"teacher_uri": "t"}, sft_loop={"learning_rate": 1e-4}))
+    with pytest.raises(ConfigError, match=r"raft: trainer=sft does not read kd settings"):
+        raft.checks(raft.Params(demo=True, kd={"teacher_uri": "t"}))
+    bad = raft.Params(demo=True, trainer="kd", kd={"teacher_uri": "t", "kd_coef": 1.5})
+    with pytest.raises(ConfigError, match=r"kd.kd_coef: Input should be less than or equal to 1"):
+        common.validate(bad, "raft", raft.checks(bad))

@@ -128,3 +128,16 @@ def test_kto_gradient_raises_desirable_and_lowers_undesirable():
     p = t(-2, -2).requires_grad_()
     losses.kto_loss(p, t(-2, -2), torch.tensor([True, False]), 0.0, beta=0.1).losses.sum().backward()
     assert p.grad[0] < 0 < p.grad[1]
+
+
+def test_distill_loss_hand_values():
+    """teacher p = [.5, .5]; student p = [.25, .75]: ce = -(.5 log .25 + .5 log .75) = 0.836988,
+    KL(teacher || student) = ce - log 2 = 0.143841; a student equal to its teacher has KL 0; a -inf student
+    logit where the teacher puts no mass counts 0 (not NaN); the gradient reaches the student only."""
+    s = torch.tensor([[math.log(.25), math.log(.75)], [1.0, -2.0], [0.0, -math.inf]], requires_grad=True)
+    t = torch.tensor([[0.0, 0.0], [1.0, -2.0], [0.0, -math.inf]], requires_grad=True)
+    ce, kl = losses.distill_loss(s, t)
+    assert ce[0].item() == pytest.approx(0.836988, abs=1e-6) and kl[0].item() == pytest.approx(0.143841, abs=1e-6)
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-6) and ce[2].item() == pytest.approx(0.0, abs=1e-6)
+    ce.sum().backward()
+    assert s.grad is not None and torch.isfinite(s.grad).all() and t.grad is None and not kl.requires_grad

@@ -12,7 +12,11 @@ A method module defines
                                           no_grad); without it, no final pass runs
     saved_config(final, spec) -> dict     optional: keys written into the saved model's config.json (from the
                                           final metrics and the job spec)
-and the tokenization its stage uses (records are plain dicts: `ids`/`start`, or `chosen_ids`/`rejected_ids`...;
+    setup(engine, spec) -> dict           optional: called once after the engine is built; loads what else the
+                                          step needs (e.g. kd's frozen teacher) and returns it as keys merged
+                                          into the spec that step and summarize's pass receive
+and the tokenization its stage uses (records are plain dicts: `ids`/`start` (an int, or [a, b) spans: batches.loss_targets),
+or `chosen_ids`/`rejected_ids`...;
 batches.seq_len orders them). The stage passes method-specific settings in the job spec; the spec's
 `method` names the module. A new trainer is one module here plus its stage file.
 """
