@@ -53,7 +53,7 @@ def conditional_sft(params: Params) -> dict:
         # Evaluate under the condition the policy learnt to follow: the high target reward.
         template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)
         condition = lambda t: template.replace("{input}", "{prompt}").replace(  # noqa: E731
-            "{reward}", postprocess.csft_condition(t, p.filter.get("reward_buckets", 0)))
+            "{reward}", postprocess.csft_condition(t, p.filter.get("reward_buckets", 0), p.filter.get("bucket_labels")))
         report.eval_cfg["prompt_template"] = condition(p.target_reward)
         if p.low_target_reward is not None:
             report.eval_variants["low"] = {"prompt_template": condition(p.low_target_reward), "reference_uri": None}
