@@ -4,7 +4,7 @@ former examples/scripts/train_conditional_llama.sh, as a resumable flow).
     for k in 1..iterations:
         generate responses from policy_k on prompt slice k and score them with the reward model
         csft: "{input} <rm_score>: {reward} " -> SFT rows (rewards optionally normalised globally, or
-              bucketed by rank in the batch: filter.reward_buckets)
+              bucketed by rank in the batch: filter.reward_buckets, written as filter.bucket_labels)
         sft(policy_k) on those rows -> policy_{k+1}
         evaluate with the high-reward condition appended to the held-out prompts (and the low one, if set)
 

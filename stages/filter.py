@@ -3,7 +3,7 @@
   rs        best-of-n rejection sampling (RAFT): top_k highest-reward responses per prompt -> `sft` rows
   iter_dpo  per prompt max vs min reward -> `pairs` rows; ties and single-sample prompts dropped, counted
   csft      conditional SFT: "{input} <rm_score>: {reward} " (optionally normalised rewards, or with
-            reward_buckets the reward's rank bucket in the batch) -> `sft` rows
+            reward_buckets the reward's rank bucket in the batch, as its index or bucket_labels[i]) -> `sft` rows
 Optionally first keeps only prompts whose mean reward lies inside (min_reward, max_reward) (dynamic filtering).
 
     rlhf-flows stage filter scored_uri=... method=iter_dpo output_uri=...
