@@ -122,8 +122,7 @@ def test_conditional_sft_learns_to_follow_its_condition_on_s3(demo_run, s3_root)
     reward model, scored through `rlhf-flows serve-rm` (reward_url: the flows' remote reward path): every
     sample is trained on under its rank bucket in the batch, and the policy is evaluated under the best bucket
     (gold_reward) and the worst (gold_reward_low). It learns to follow the condition: gold under the best
-    bucket rises every iteration and beats the worst bucket by a clear margin. Trained with one constant tag
-    instead (the condition carries nothing), neither holds (README "Conditional SFT": measured numbers)."""
+    bucket rises every iteration and beats the worst bucket by a clear margin (README "Conditional SFT")."""
     import threading
 
     import yaml
@@ -147,9 +146,11 @@ def test_conditional_sft_learns_to_follow_its_condition_on_s3(demo_run, s3_root)
     rows = report["iterations"]
     assert report["stop_reason"] == "completed all iterations" and len(rows) == 3
     high, low = [r["gold_reward"] for r in rows], [r.get("gold_reward_low") for r in rows]
-    print("CSFT-NUMBERS", high, low, [r.get("rm_reward") for r in rows], [r.get("rm_reward_low") for r in rows])
-    assert high[0] + 0.0 < high[1] < high[2] - 0.0, high  # iteration 0: the SFT policy, no condition
-    assert high[1] - low[1] > 0.05 and high[2] - low[2] > 0.05, (high, low)
+    # Measured (2026-11-23): high -0.003, 0.185, 0.247; low -0.239, -0.335 (iteration 0: the SFT policy, no
+    # condition). Trained with one constant tag instead (a plain loop on iteration 1's rows, 192 steps), best
+    # and worst gave 0.010 / 0.005: these margins fail when the condition is ignored.
+    assert high[0] + 0.1 < high[1] < high[2] - 0.03, high
+    assert high[1] - low[1] > 0.25 and high[2] - low[2] > 0.3, (high, low)
     assert rows[2]["rm_reward"] > rows[2]["rm_reward_low"]
     assert store.read_manifest(f"{s3_root}/csft/iter-1/score").config["remote_rm_url"] == url
     trained = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()
