@@ -29,7 +29,7 @@ class Config(StageConfig):
     csft_template: str = Field(pp.DEFAULT_CSFT_TEMPLATE, description="csft: template with {input} and {reward}.")
     reward_buckets: int = Field(0, ge=0, description="csft: >= 2: the condition is the reward's rank bucket in the batch "
                                 "(0 = worst .. N-1 = best) instead of the reward at 2 decimals (normalize_reward then has no effect).")
-    bucket_labels: list[str] | None = Field(None, description="csft with reward_buckets: the text of each bucket's condition, "
+    bucket_labels: list[str] | None = Field(None, description="csft with reward_buckets: each bucket's condition text, "
                                             "worst first (default the index: 0 .. N-1); e.g. [E, D, C, B, A], tokens "
                                             "that occur nowhere else in the prompts.")
 
@@ -84,7 +84,8 @@ def run(cfg: Config) -> store.Manifest:
     elif cfg.method == "iter_dpo":
         out, kind = pp.dpo_pairs(kept, stats), "pairs"
     else:
-        out, kind = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template, cfg.reward_buckets, cfg.bucket_labels), "sft"
+        out = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template, cfg.reward_buckets, cfg.bucket_labels)
+        kind = "sft"
     if not out:
         raise data.DataError(f"{cfg.scored_uri}: {cfg.method} kept no rows ({len(rows)} in, "
                              f"{stats.dropped_range} outside the reward range, {stats.dropped_empty} empty responses, "
