@@ -4,7 +4,7 @@ former examples/scripts/train_conditional_llama.sh, as a resumable flow).
     for k in 1..iterations:
         generate responses from policy_k on prompt slice k and score them with the reward model
         csft: "{input} <rm_score>: {reward} " -> SFT rows (rewards optionally normalised globally, or
-              bucketed by rank in the batch: filter.reward_buckets)
+              bucketed by rank in the batch: filter.reward_buckets, written as filter.bucket_labels)
         sft(policy_k) on those rows -> policy_{k+1}
         evaluate with the high-reward condition appended to the held-out prompts (and the low one, if set)
 
@@ -53,7 +53,7 @@ def conditional_sft(params: Params) -> dict:
         # Evaluate under the condition the policy learnt to follow: the high target reward.
         template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)
         condition = lambda t: template.replace("{input}", "{prompt}").replace(  # noqa: E731
-            "{reward}", postprocess.csft_condition(t, p.filter.get("reward_buckets", 0)))
+            "{reward}", postprocess.csft_condition(t, p.filter.get("reward_buckets", 0), p.filter.get("bucket_labels")))
         report.eval_cfg["prompt_template"] = condition(p.target_reward)
         if p.low_target_reward is not None:
             report.eval_variants["low"] = {"prompt_template": condition(p.low_target_reward), "reference_uri": None}

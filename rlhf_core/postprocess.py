@@ -144,25 +144,32 @@ def reward_buckets(rewards: list[float], buckets: int) -> list[int]:
     return [min(buckets - 1, int(r * buckets / len(rewards))) for r in rank]
 
 
-def csft_condition(reward: float, buckets: int = 0) -> str:
-    """The text of a condition: a bucket index with buckets, else the reward at 2 decimals (OpenRLHF)."""
-    return str(int(reward)) if buckets else f"{reward:.2f}"
+def csft_condition(reward: float, buckets: int = 0, labels: list[str] | None = None) -> str:
+    """The text of a condition: with buckets the bucket's label (labels[i], default the index i), else the
+    reward at 2 decimals (OpenRLHF). Labels exist because a digit tag is the same token as any digit in the
+    prompt (the demo's "#12 Review of ..."): measured on the demo, letters let the policy follow it twice as well."""
+    if not buckets:
+        return f"{reward:.2f}"
+    return labels[int(reward)] if labels else str(int(reward))
 
 
 def conditional_sft(rows: list[dict], normalize_rewards: bool = False, template: str = DEFAULT_CSFT_TEMPLATE,
-                    buckets: int = 0) -> list[dict]:
+                    buckets: int = 0, labels: list[str] | None = None) -> list[dict]:
     """SFT rows {input: template(prompt, condition), output: response, reward} for every row; the condition
-    is the reward at 2 decimals (optionally normalised first), or with `buckets` its rank bucket.
+    is the reward at 2 decimals (optionally normalised first), or with `buckets` its rank bucket (written as
+    labels[bucket] when labels are given; the row's reward is the bucket index).
     Example: prompt "Q", reward 0.456 -> input "Q <rm_score>: 0.46 "."""
     if "{input}" not in template or "{reward}" not in template:
         raise FilterError(f"csft template {template!r} must contain {{input}} and {{reward}}")
     rewards = [float(r["reward"]) for r in rows]
+    if labels is not None and len(labels) != buckets:
+        raise FilterError(f"{len(labels)} bucket labels for {buckets} reward buckets: give one label per bucket")
     if buckets:
         rewards = [float(b) for b in reward_buckets(rewards, buckets)]
     elif normalize_rewards:
         rewards = normalize(rewards)
     # str.replace, not format(): prompts may contain braces
-    return [{"input": template.replace("{reward}", csft_condition(rw, buckets)).replace("{input}", r["prompt"]),
+    return [{"input": template.replace("{reward}", csft_condition(rw, buckets, labels)).replace("{input}", r["prompt"]),
              "output": r["response"], "reward": rw, **finished(r)} for r, rw in zip(rows, rewards)]
 
 

@@ -3,7 +3,7 @@
   rs        best-of-n rejection sampling (RAFT): top_k highest-reward responses per prompt -> `sft` rows
   iter_dpo  per prompt max vs min reward -> `pairs` rows; ties and single-sample prompts dropped, counted
   csft      conditional SFT: "{input} <rm_score>: {reward} " (optionally normalised rewards, or with
-            reward_buckets the reward's rank bucket in the batch) -> `sft` rows
+            reward_buckets the reward's rank bucket in the batch, as its index or bucket_labels[i]) -> `sft` rows
 Optionally first keeps only prompts whose mean reward lies inside (min_reward, max_reward) (dynamic filtering).
 
     rlhf-flows stage filter scored_uri=... method=iter_dpo output_uri=...
@@ -29,6 +29,9 @@ class Config(StageConfig):
     csft_template: str = Field(pp.DEFAULT_CSFT_TEMPLATE, description="csft: template with {input} and {reward}.")
     reward_buckets: int = Field(0, ge=0, description="csft: >= 2: the condition is the reward's rank bucket in the batch "
                                 "(0 = worst .. N-1 = best) instead of the reward at 2 decimals (normalize_reward then has no effect).")
+    bucket_labels: list[str] | None = Field(None, description="csft with reward_buckets: each bucket's condition text, "
+                                            "worst first (default the index: 0 .. N-1); e.g. [E, D, C, B, A], tokens "
+                                            "that occur nowhere else in the prompts.")
 
     @field_validator("method")
     @classmethod
@@ -43,6 +46,13 @@ class Config(StageConfig):
             raise ValueError("reward_buckets must be 0 (off) or >= 2")
         if self.reward_buckets and self.normalize_reward:
             raise ValueError("reward_buckets ranks the rewards, so normalize_reward has no effect: set one of them")
+        if self.bucket_labels is not None:
+            labels = self.bucket_labels
+            if len(labels) != self.reward_buckets:
+                raise ValueError(f"bucket_labels has {len(labels)} labels for reward_buckets={self.reward_buckets}: "
+                                 "give one per bucket (worst first)")
+            if len(set(labels)) != len(labels) or not all(x.strip() for x in labels):
+                raise ValueError(f"bucket_labels {labels} must be distinct and non-empty")
         return self
 
 
@@ -74,7 +84,8 @@ def run(cfg: Config) -> store.Manifest:
     elif cfg.method == "iter_dpo":
         out, kind = pp.dpo_pairs(kept, stats), "pairs"
     else:
-        out, kind = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template, cfg.reward_buckets), "sft"
+        out = pp.conditional_sft(kept, cfg.normalize_reward, cfg.csft_template, cfg.reward_buckets, cfg.bucket_labels)
+        kind = "sft"
     if not out:
         raise data.DataError(f"{cfg.scored_uri}: {cfg.method} kept no rows ({len(rows)} in, "
                              f"{stats.dropped_range} outside the reward range, {stats.dropped_empty} empty responses, "

@@ -66,6 +66,16 @@ def test_reward_buckets_rank_the_batch_and_keep_ties_together():
         pp.reward_buckets([1.0, 2.0], 1)
 
 
+def test_bucket_labels_write_each_bucket_as_its_label_and_keep_the_index_as_reward():
+    """[0.3, -2.0, 5.0] in 3 buckets -> 1, 0, 2, written with the labels (worst first) low, mid, top."""
+    out = pp.conditional_sft(rows({"#1 Q": [0.3, -2.0, 5.0]}), buckets=3, labels=["low", "mid", "top"])
+    assert [r["input"] for r in out] == ["#1 Q <rm_score>: mid ", "#1 Q <rm_score>: low ", "#1 Q <rm_score>: top "]
+    assert [r["reward"] for r in out] == [1.0, 0.0, 2.0]
+    assert pp.csft_condition(4, 5, ["E", "D", "C", "B", "A"]) == "A" and pp.csft_condition(0, 5, list("EDCBA")) == "E"
+    with pytest.raises(pp.FilterError, match="2 bucket labels for 3 reward buckets"):
+        pp.conditional_sft(rows({"Q": [0.3, -2.0, 5.0]}), buckets=3, labels=["a", "b"])
+
+
 def test_dynamic_filter_keeps_prompts_with_mean_strictly_inside_range():
     """a mean 0.5 kept; b mean 1 (== max) dropped; c mean 0 (== min) dropped."""
     out = pp.dynamic_filter(rows({"a": [0.0, 1.0], "b": [1.0, 1.0], "c": [0.0, 0.0]}), 0.0, 1.0)

@@ -97,3 +97,9 @@ def test_csft_reward_buckets_refuse_an_ignored_normalisation_and_one_bucket():
         filter_stage.Config(scored_uri="x", method="csft", reward_buckets=5, normalize_reward=True, output_uri="y")
     with pytest.raises(ValueError, match="reward_buckets must be 0"):
         filter_stage.Config(scored_uri="x", method="csft", reward_buckets=1, output_uri="y")
+    with pytest.raises(ValueError, match="bucket_labels has 4 labels for reward_buckets=5"):
+        filter_stage.Config(scored_uri="x", method="csft", reward_buckets=5, bucket_labels=list("DCBA"), output_uri="y")
+    with pytest.raises(ValueError, match="bucket_labels has 5 labels for reward_buckets=0"):
+        filter_stage.Config(scored_uri="x", method="csft", bucket_labels=list("EDCBA"), output_uri="y")
+    with pytest.raises(ValueError, match="must be distinct"):
+        filter_stage.Config(scored_uri="x", method="csft", reward_buckets=3, bucket_labels=["A", "A", "B"], output_uri="y")
