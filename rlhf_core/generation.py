@@ -220,11 +220,12 @@ def shard(n: int, parts: int) -> list[tuple[int, int]]:
 
 def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwargs: dict, num_engines: int,
                 ray_address: str | None = None, num_gpus_per_engine: float = 0, pass_offset: bool = False,
-                env: dict | None = None, stall_timeout_s: float = 3600.0, what: str = "engines") -> list:
+                env: dict | None = None, stall_timeout_s: float = 3600.0, what: str = "engines",
+                label: str | None = None) -> list:
     """Run `engine_cls(*init_args).method(shard, **call_kwargs)` over contiguous shards of `items`, in this
     process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order.
     Ray actors read credentials from their own environment (a local Ray inherits this process's), never from
-    arguments. A dead actor, or no chunk finishing for `stall_timeout_s`, raises GenerationError naming
+    arguments. Progress lines name `label` (default: the method). A dead actor, or no chunk finishing for `stall_timeout_s`, raises GenerationError naming
     `what`; nothing is committed, so a rerun starts the stage again."""
     # Each engine's shard goes in up to 8 chunks of >= 256 items, queued on its actor: a progress line per
     # finished chunk. Small jobs (the demo, eval sets) stay one call per engine, as before.
@@ -235,7 +236,7 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
         engine, out = engine_cls(*init_args), []
         for _, s, e in chunks:
             out += list(getattr(engine, method)(items[s:e], **call_kwargs, **offset(s)))
-            progress.rows(method, e, len(items))
+            progress.rows(label or method, e, len(items))
         return out
     import ray
 
@@ -261,7 +262,7 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
                 raise GenerationError(f"{what}: engine {chunks[k][0] + 1} of {len(actors)} died mid-run "
                                       f"({type(e).__name__}); nothing was committed, rerun to resume") from None
             done += chunks[k][2] - chunks[k][1]
-            progress.rows(method, done, len(items))
+            progress.rows(label or method, done, len(items))
         return [x for k in range(len(futures)) for x in results[k]]  # chunk order -> item order
     finally:
         for a in actors:

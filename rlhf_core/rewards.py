@@ -314,7 +314,7 @@ def compute_rewards(spec: RewardSpec, prompts: list[str], responses: list[str], 
     if kind == "model":
         gpus = 1 if (num_engines > 0 and _cuda()) else 0
         rated = run_engines(RMEngine, (spec.model, spec), "rate", list(zip(prompts, responses)), {}, num_engines,
-                            ray_address, num_gpus_per_engine=gpus)
+                            ray_address, num_gpus_per_engine=gpus, label="score")
         steps = [s for _, s in rated]
         out = Rewards([r for r, _ in rated], step_rewards=steps if steps and steps[0] is not None else None)
         what = f"reward model {spec.model}"
