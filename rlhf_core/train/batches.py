@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlhf_core.data import DataError
@@ -233,9 +234,14 @@ def loss_targets(start: int | list, length: int) -> torch.Tensor:
     """Which tokens of a sample are loss targets, # (length,) bool: t >= start, or, when `start` is a list
     of [a, b) spans (multi-turn SFT: every assistant turn), t in a span; never t = 0 (the first token of a
     sample is not predicted from inside the sample)."""
-    m = torch.zeros(length, dtype=torch.bool)
+    return torch.tensor(_target_list(start, length), dtype=torch.bool)
+
+
+def _target_list(start: int | list, length: int) -> list[int]:
+    m = [0] * length
     for a, b in ([(start, length)] if isinstance(start, int) else start):
-        m[max(a, 1):b] = True
+        lo, hi = max(a, 1), min(b, length)
+        m[lo:hi] = [1] * max(0, hi - lo)
     return m
 
 
@@ -256,18 +262,21 @@ def collate(seqs: list[list[int]], starts: list, pad_id: int, packed: bool = Fal
         att = ((sg[:, None] == sg[None, :]) & (ar[:, None] >= ar[None, :]))[None, None]
         return Batch(t(ids), t(pos), att, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n, real)
     T = max(len(s) for s in seqs)
-    ids = torch.full((n, T), pad_id)
-    att = torch.zeros((n, T), dtype=torch.long)
-    tgt = torch.zeros((n, T), dtype=torch.long)
-    seg = torch.full((n, T), n)
-    for i, (s, st) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = torch.tensor(s)
-        att[i, :len(s)] = 1
-        tgt[i, :len(s)] = loss_targets(st, len(s))
-        seg[i, :len(s)] = i
+    ids = _padded(seqs, pad_id, T)
+    att = _padded([[1] * len(s) for s in seqs], 0, T)
+    tgt = _padded([_target_list(st, len(s)) for s, st in zip(seqs, starts)], 0, T)
+    seg = _padded([[i] * len(s) for i, s in enumerate(seqs)], n, T)
     pos = torch.arange(T).expand(n, T).clone()
     last = torch.stack([torch.arange(n), torch.tensor([len(s) - 1 for s in seqs])], 1)
     return Batch(ids, pos, att, tgt, seg, last, n, real)
+
+
+def _padded(rows: list[list[int]], fill: int, width: int) -> torch.Tensor:
+    """int lists -> # (len(rows), width) int64, right-padded with `fill` (numpy: ~6x faster than torch.tensor)."""
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return torch.from_numpy(out)
 
 
 def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[list[int]], r_starts: list[int],
@@ -277,43 +286,36 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
     response attends to the prompt and to itself only, with the positions it would have alone, so every
     log-prob equals that of the padded two-row layout. Samples 0..k-1 are the chosen, k..2k-1 the rejected
     (the order of `collate(chosen + rejected, ...)`). The shared part is the common prefix of the two token
-    lists, at most up to the earlier response start (after truncation the two prompts may differ)."""
+    lists, at most up to the earlier response start (after truncation the two prompts may differ).
+    Built as Python lists and turned into tensors once: collation is on every step's critical path."""
     k = len(chosen)
-    rows, T = [], 0
-    for c, cs, r, rs in zip(chosen, c_starts, rejected, r_starts):
+    ids, pos, part, seg, last = [], [], [], [], [[0, 0]] * (2 * k)
+    tr, tc, tt, ts = [], [], [], []
+    for i, (c, cs, r, rs) in enumerate(zip(chosen, c_starts, rejected, r_starts)):
         L = 0
         while L < min(cs, rs) and c[L] == r[L]:
             L += 1
-        rows.append((c, cs, r, rs, L))
-        T = max(T, len(c) + len(r) - L)
-    ids = torch.full((k, T), pad_id)
-    pos = torch.zeros((k, T), dtype=torch.long)
-    part = torch.full((k, T), -1)  # 0 prompt, 1 chosen response, 2 rejected response, -1 padding
-    seg = torch.full((k, T), 2 * k)
-    tr, tc, tt, ts, last = [], [], [], [], torch.zeros((2 * k, 2), dtype=torch.long)
-    for i, (c, cs, r, rs, L) in enumerate(rows):
         nc, nr = len(c), len(r)
-        ct, rt = torch.tensor(c, dtype=torch.long), torch.tensor(r, dtype=torch.long)
-        ids[i, :nc], ids[i, nc:nc + nr - L] = ct, rt[L:]
-        pos[i, :nc], pos[i, nc:nc + nr - L] = torch.arange(nc), torch.arange(L, nr)
-        part[i, :L], part[i, L:nc], part[i, nc:nc + nr - L] = 0, 1, 2
-        seg[i, :nc], seg[i, nc:nc + nr - L] = i, k + i
+        ids.append(c + r[L:])
+        pos.append(list(range(nc)) + list(range(L, nr)))
+        part.append([0] * L + [1] * (nc - L) + [2] * (nr - L))  # 0 prompt, 1 chosen, 2 rejected, -1 padding
+        seg.append([i] * nc + [k + i] * (nr - L))
         # token t is predicted by the logits of token t - 1; rejected token p sits at column p (p < L) or nc + p - L
-        pc = torch.arange(max(cs, 1) - 1, nc - 1)
-        pr = torch.arange(max(rs, 1) - 1, nr - 1)
-        tc += [pc, torch.where(pr < L, pr, nc + pr - L)]
-        tt += [ct[pc + 1], rt[pr + 1]]
-        tr.append(torch.full((len(pc) + len(pr),), i))
-        ts += [torch.full((len(pc),), i), torch.full((len(pr),), k + i)]
-        last[i], last[k + i] = torch.tensor([i, nc - 1]), torch.tensor([i, nc + nr - L - 1 if nr - 1 >= L else nr - 1])
+        pc, pr = range(max(cs, 1) - 1, nc - 1), range(max(rs, 1) - 1, nr - 1)
+        tc += [*pc, *(p if p < L else nc + p - L for p in pr)]
+        tt += [*c[max(cs, 1):], *r[max(rs, 1):]]
+        tr += [i] * (len(pc) + len(pr))
+        ts += [i] * len(pc) + [k + i] * len(pr)
+        last[i], last[k + i] = [i, nc - 1], [i, nc + nr - L - 1 if nr - 1 >= L else nr - 1]
+    T = max(len(row) for row in ids)
+    ids, pos, part, seg = _padded(ids, pad_id, T), _padded(pos, 0, T), _padded(part, -1, T), _padded(seg, 2 * k, T)
     ar = torch.arange(T)
     q, kk = part[:, :, None], part[:, None, :]  # (k, T, 1), (k, 1, T)
     att = (ar[:, None] >= ar[None, :]) & (kk != -1) & (q != -1) & ((kk == 0) | (kk == q))
     att = (att | torch.eye(T, dtype=torch.bool))[:, None]  # padding attends to itself: no all-masked row (NaN)
-    tgt = torch.zeros((k, T), dtype=torch.long)
-    explicit = (torch.cat(tr), torch.cat(tc), torch.cat(tt), torch.cat(ts))
-    real = sum(len(c) + len(r) for c, _, r, _, _ in rows)
-    return Batch(ids, pos, att, tgt, seg, last, 2 * k, real, explicit)
+    explicit = tuple(torch.from_numpy(np.array(x, dtype=np.int64)) for x in (tr, tc, tt, ts))
+    real = sum(len(c) + len(r) for c, r in zip(chosen, rejected))
+    return Batch(ids, pos, att, torch.zeros((k, T), dtype=torch.long), seg, torch.from_numpy(np.array(last, dtype=np.int64)), 2 * k, real, explicit)
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:

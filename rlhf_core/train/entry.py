@@ -105,7 +105,8 @@ def target_logits(engine, b) -> torch.Tensor:
     att = b.attention_mask.to(dev)
     if att.dim() == 4 and getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask
         att = torch.zeros(att.shape, dtype=torch.float32, device=dev).masked_fill(~att, torch.finfo(torch.float32).min)
-    kw = {"input_ids": b.input_ids.to(dev), "attention_mask": att, "position_ids": b.position_ids.to(dev)}
+    kw = {"input_ids": b.input_ids.to(dev), "attention_mask": att, "position_ids": b.position_ids.to(dev),
+          "use_cache": False}  # a KV cache is built by default even in training (transformers 5): work thrown away
     rows, cols = (t.to(dev) for t in b.targets()[:2])
     parts = _parts(model)
     if parts is None:
