@@ -281,11 +281,12 @@ def iterations(p: LoopParams, report: Report):
             return
 
 
-def rollout(p: LoopParams, k: int, policy: str, prompts: str, reward: dict) -> tuple[dict, dict]:
-    """Iteration k's samples from `policy` on prompt slice k-1 (OpenRLHF's --iter), and their scores."""
-    generate, score = _stage("generate"), _stage("score")
+def rollout(p: LoopParams, k: int, policy: str, prompts: str, reward: dict, **generate) -> tuple[dict, dict]:
+    """Iteration k's samples from `policy` on prompt slice k-1 (OpenRLHF's --iter), and their scores.
+    `generate`: settings of this iteration's generate stage over p.generate's."""
+    gen, score = _stage("generate"), _stage("score")
     at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-    samples = call(generate.task, stage_config(generate, p.generate, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
+    samples = call(gen.task, stage_config(gen, {**p.generate, **generate}, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
                                                output_uri=at("generate"), storage_options=p.storage_options))
     scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward, output_uri=at("score"),
                                            storage_options=p.storage_options))

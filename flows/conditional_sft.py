@@ -3,6 +3,7 @@ former examples/scripts/train_conditional_llama.sh, as a resumable flow).
 
     for k in 1..iterations:
         generate responses from policy_k on prompt slice k and score them with the reward model
+            (k > 1, bootstrap: sampled under the high-reward condition, SteerLM's bootstrapping step)
         csft: "{input} <rm_score>: {reward} " -> SFT rows (rewards optionally normalised globally, or
               bucketed by rank in the batch: filter.reward_buckets, written as filter.bucket_labels)
         sft(policy_k) on those rows -> policy_{k+1}
@@ -27,6 +28,9 @@ class Params(common.LoopParams):
     low_target_reward: float | None = Field(None, description="Also evaluate every iteration under this low condition "
                                             "(report columns gold_reward_low, rm_reward_low): the policy follows its "
                                             "condition when the high target beats it.")
+    bootstrap: bool = Field(True, description="From iteration 2 on, sample the rollouts under the target_reward "
+                            "condition (SteerLM's bootstrapping: the policy asked for the best), so each iteration "
+                            "trains on better samples than the last; false: sample without a condition.")
     sft_loop: dict = Field(default_factory=dict, description="SFT settings of the conditional fine-tune.")
 
     @model_validator(mode="after")
@@ -59,7 +63,8 @@ def conditional_sft(params: Params) -> dict:
             report.eval_variants["low"] = {"prompt_template": condition(p.low_target_reward), "reference_uri": None}
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-            samples, scored = common.rollout(p, k, policy, prompts, reward)
+            ask_best = {"condition_template": condition(p.target_reward)} if p.bootstrap and k > 1 else {}
+            samples, scored = common.rollout(p, k, policy, prompts, reward, **ask_best)
             rows = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "csft"}, scored_uri=scored["uri"],
                                                         output_uri=at("csft"), storage_options=so))
             trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=rows["uri"],

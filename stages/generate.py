@@ -4,8 +4,9 @@ OpenRLHF's batch_inference `--eval_task generate_vllm|generate` as a stage: prom
 `prompts` artifact or raw OpenRLHF-format sources (comma-separated with `prompt_data_probs`, formatted by
 chat template or input_template), are sliced by `iter` * `rollout_batch_size` and `max_samples`, checked
 against `prompt_max_len` (keep the last tokens and count, or reject), and sampled by the hf or vllm backend
-on `num_engines` Ray actors (rlhf_core.generation). Left out: OpenRLHF's csft prompt suffix at generation
-time (use the csft filter's template on the next iteration's prompts instead).
+on `num_engines` Ray actors (rlhf_core.generation). `condition_template` samples a reward-conditioned policy
+under a condition (SteerLM's bootstrapping, OpenRLHF's csft prompt at generation time) while the samples keep
+the plain prompt, so they are scored and re-labelled as plain prompts.
 
     rlhf-flows stage generate policy_uri=... prompts_uri=... output_uri=... backend=vllm num_engines=2
 """
@@ -31,6 +32,9 @@ class Config(StageConfig):
     input_template: str | None = Field(None, description="Format prompts as input_template.format(prompt).")
     tokenizer_chat_template: str | None = Field(None, description="Jinja chat template replacing the tokenizer's "
                                                 "(OpenRLHF --tokenizer_chat_template).")
+    condition_template: str | None = Field(None, description="Sample from this text with {prompt} replaced, e.g. "
+                                           "'{prompt} <rm_score>: A ' (a conditional-SFT policy asked for the best); "
+                                           "the samples keep the plain prompt.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many prompts (before `iter` slicing).")
     iter: int | None = Field(None, ge=0, description="OpenRLHF --iter: use prompts [iter*R, (iter+1)*R).")
     rollout_batch_size: int = Field(2048, ge=1, description="R in the `iter` slice.")
@@ -64,6 +68,13 @@ class Config(StageConfig):
     def _backend(cls, v: str) -> str:
         if v not in BACKENDS:
             raise ValueError(f"unknown backend {v!r}; choose one of {list(BACKENDS)}")
+        return v
+
+    @field_validator("condition_template")
+    @classmethod
+    def _condition(cls, v: str | None) -> str | None:
+        if v is not None and "{prompt}" not in v:
+            raise ValueError(f"condition_template {v!r} has no {{prompt}} placeholder")
         return v
 
     @field_validator("prompt_overflow")
@@ -113,14 +124,17 @@ def run(cfg: Config) -> store.Manifest:
     tok = models.load_tokenizer(policy_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     rows = load_prompts(cfg, tok)
     prompt_ids, truncated, bos = [], 0, models.adds_bos(tok)
+    sampled = lambda text: cfg.condition_template.replace("{prompt}", text) if cfg.condition_template else text  # noqa: E731
     for i, r in enumerate(rows):
-        ids = models.prompt_ids(tok, r["prompt"], bos)  # one BOS, also under a chat template that writes it
+        ids = models.prompt_ids(tok, sampled(r["prompt"]), bos)  # one BOS, also under a chat template that writes it
         if len(ids) > cfg.prompt_max_len:
             if cfg.prompt_overflow == "reject":
                 raise data.DataError(f"{cfg.prompts_uri} prompt {i}: {len(ids)} tokens > prompt_max_len "
                                      f"{cfg.prompt_max_len} (prompt_overflow=reject)")
-            ids, truncated = ids[-cfg.prompt_max_len:], truncated + 1  # keep the end: it holds the turn marker
-            r["prompt"] = tok.decode(ids)
+            # keep the end (it holds the turn marker); a condition stays whole, the plain prompt is cut to fit it
+            plain = models.prompt_ids(tok, r["prompt"], bos)
+            r["prompt"], truncated = tok.decode(plain[len(ids) - cfg.prompt_max_len:]), truncated + 1
+            ids = models.prompt_ids(tok, sampled(r["prompt"]), bos)[-cfg.prompt_max_len:]
         prompt_ids.append(ids)
 
     w.begin()
