@@ -96,3 +96,27 @@ def test_unknown_backend_is_a_config_error(tiny):
     with pytest.raises(ConfigError, match=r"backend: Value error, unknown backend 'tgi'"):
         load_config(generate.Config, overrides=[f"policy_uri={tiny.policy_uri}", "prompts_uri=x", "output_uri=y",
                                                 "backend=tgi"])
+
+
+def test_condition_template_samples_under_the_condition_and_keeps_the_plain_prompt(tiny, prompt_file, s3_root):
+    """SteerLM's bootstrapping (conditional-sft's `bootstrap`): greedy samples under condition_template equal
+    those of prompts that carry the condition, while the samples record the plain prompt; a prompt too long
+    for prompt_max_len loses plain tokens, never the condition."""
+    uri, raw = prompt_file
+    cond = "{prompt} <rm_score>: A "
+    greedy = dict(temperature=0, best_of_n=1, max_samples=4)
+    m = generate.run(cfg_for(tiny, uri, f"{s3_root}/cond", condition_template=cond, **greedy))
+    literal = generate.run(cfg_for(tiny, uri, f"{s3_root}/lit", input_template="User: {}\nAssistant:  <rm_score>: A ", **greedy))
+    plain = generate.run(cfg_for(tiny, uri, f"{s3_root}/plain", **greedy))
+    got, want, unconditioned = (store.read_table(x.uri).to_pylist() for x in (m, literal, plain))
+    assert [r["prompt"] for r in got] == [f"User: {r['input']}\nAssistant: " for r in raw[:4]]
+    assert [r["response"] for r in got] == [r["response"] for r in want]
+    assert [r["response"] for r in got] != [r["response"] for r in unconditioned]  # the condition changed the samples
+    assert m.config["condition_template"] == cond and m.fingerprint != plain.fingerprint
+    short = generate.run(cfg_for(tiny, uri, f"{s3_root}/short", condition_template=cond, prompt_max_len=12, **greedy))
+    rows = store.read_table(short.uri).to_pylist()
+    assert short.metrics["prompts_truncated"] == 4 and all(r["prompt_tokens"] <= 12 for r in rows)
+    assert all(f"User: {r['input']}\nAssistant: ".endswith(s["prompt"]) for r, s in zip(raw, rows))
+    with pytest.raises(ConfigError, match="condition_template 'A' has no {prompt} placeholder"):
+        load_config(generate.Config, overrides=[f"policy_uri={tiny.policy_uri}", "prompts_uri=x", "output_uri=y",
+                                                "condition_template=A"])
