@@ -315,7 +315,8 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
     att = (att | torch.eye(T, dtype=torch.bool))[:, None]  # padding attends to itself: no all-masked row (NaN)
     explicit = tuple(torch.from_numpy(np.array(x, dtype=np.int64)) for x in (tr, tc, tt, ts))
     real = sum(len(c) + len(r) for c, r in zip(chosen, rejected))
-    return Batch(ids, pos, att, torch.zeros((k, T), dtype=torch.long), seg, torch.from_numpy(np.array(last, dtype=np.int64)), 2 * k, real, explicit)
+    last = torch.from_numpy(np.array(last, dtype=np.int64))
+    return Batch(ids, pos, att, torch.zeros((k, T), dtype=torch.long), seg, last, 2 * k, real, explicit)
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
