@@ -134,6 +134,9 @@ def run(cfg: Config) -> store.Manifest:
             # keep the end (it holds the turn marker); a condition stays whole, the plain prompt is cut to fit it
             plain = models.prompt_ids(tok, r["prompt"], bos)
             r["prompt"], truncated = tok.decode(plain[len(ids) - cfg.prompt_max_len:]), truncated + 1
+            if cfg.condition_template and len(models.prompt_ids(tok, sampled(""), bos)) >= cfg.prompt_max_len:
+                raise data.DataError(f"{cfg.prompts_uri} prompt {i}: condition_template {cfg.condition_template!r} "
+                                     f"leaves no room for the prompt within prompt_max_len {cfg.prompt_max_len}")
             ids = models.prompt_ids(tok, sampled(r["prompt"]), bos)[-cfg.prompt_max_len:]
         prompt_ids.append(ids)
 

@@ -113,10 +113,14 @@ def test_condition_template_samples_under_the_condition_and_keeps_the_plain_prom
     assert [r["response"] for r in got] == [r["response"] for r in want]
     assert [r["response"] for r in got] != [r["response"] for r in unconditioned]  # the condition changed the samples
     assert m.config["condition_template"] == cond and m.fingerprint != plain.fingerprint
-    short = generate.run(cfg_for(tiny, uri, f"{s3_root}/short", condition_template=cond, prompt_max_len=12, **greedy))
+    # the condition is 14 tokens in the tiny tokenizer: 20 leaves 6 for the plain prompt, 14 none
+    short = generate.run(cfg_for(tiny, uri, f"{s3_root}/short", condition_template=cond, prompt_max_len=20, **greedy))
     rows = store.read_table(short.uri).to_pylist()
-    assert short.metrics["prompts_truncated"] == 4 and all(r["prompt_tokens"] <= 12 for r in rows)
+    assert short.metrics["prompts_truncated"] == 4 and all(r["prompt_tokens"] <= 20 for r in rows)
     assert all(f"User: {r['input']}\nAssistant: ".endswith(s["prompt"]) for r, s in zip(raw, rows))
+    with pytest.raises(data.DataError, match=r"prompt 0: condition_template .* leaves no room for the prompt"):
+        generate.run(cfg_for(tiny, uri, f"{s3_root}/tiny-room", condition_template=cond, prompt_max_len=14, **greedy))
+    assert not store.committed_any(f"{s3_root}/tiny-room")
     with pytest.raises(ConfigError, match="condition_template 'A' has no {prompt} placeholder"):
         load_config(generate.Config, overrides=[f"policy_uri={tiny.policy_uri}", "prompts_uri=x", "output_uri=y",
                                                 "condition_template=A"])
