@@ -131,7 +131,7 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
     settings). Placeholder URIs stand in for the inputs the loop wires in."""
     if len(given := [f for f in ("reward_uri", "reward_func_file", "reward_url") if getattr(p, f)]) > 1:
         raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
-    for k in ("prm_aggregate", "prm_tokens"):  # whether reward_uri is a PRM: the score stage checks
+    for k in ("prm_aggregate", "prm_tokens", "prm_step_separator"):  # whether reward_uri is a PRM: the score stage checks
         if p.score.get(k) and not p.reward_uri:
             raise ConfigError(f"{flow_name}: score.{k} applies to a process reward model given as reward_uri")
     own = [(module, base) for module, base in (checks or {}).items()]
@@ -194,7 +194,8 @@ def prepare_inputs(p: LoopParams, run: dict):
                                                        if reward.get("reward_model_uri") else {})})
     report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold, reward_model_uri=reward.get("reward_model_uri"),
                            remote_rm_url=reward.get("remote_rm_url"), reference_uri=policy,  # KL to the initial policy
-                           **{k: p.score[k] for k in ("prm_aggregate", "prm_tokens") if p.score.get(k)})  # a PRM as score uses it
+                           **{k: p.score[k] for k in ("prm_aggregate", "prm_tokens", "prm_step_separator")
+                              if p.score.get(k)})  # a PRM scores the eval samples as score does
     evaluate_and_report(p, report, 0, policy, reward, [])
     return policy, reward, prompts["uri"], report
 

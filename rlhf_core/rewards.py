@@ -19,6 +19,9 @@ Sources (exactly one per RewardSpec):
               default: a solution is as good as its weakest step, Math-Shepherd's verifier, arXiv:2312.08935),
               last, or mean; `step_rewards` holds the per-step values. A causal-LM PRM trained elsewhere
               (e.g. Math-Shepherd's) is named by `prm_tokens`: its placeholder, then its reward tokens.
+              A policy's samples hold no placeholders: `prm_step_separator` (e.g. "\n") splits each response
+              into steps there and ends every non-blank step with " " + placeholder (Math-Shepherd's layout,
+              mark_steps) before scoring; the stored response is left as it was.
   func_path   a Python file defining OpenRLHF's `reward_func(queries, prompts, labels)` (queries are
               prompt + response) returning a tensor/list or a dict with `rewards` (+ `scores`, `extra_logs`).
   remote_url  an HTTP reward server in OpenRLHF's serve_rm shape: POST {"query", "prompts", "labels"} ->
@@ -53,6 +56,7 @@ class RewardSpec:
     value_head_prefix: str = "value_head"
     prm_aggregate: str = "min"  # a process reward model's reduction of its step rewards: min | last | mean
     prm_tokens: tuple[str, ...] | None = None  # a plain causal LM as a PRM: (placeholder, positive, negative, ...)
+    prm_step_separator: str | None = None  # a PRM scoring unmarked responses: where one step ends (mark_steps)
     normalize: bool = True  # apply the mean/std stored in the reward model's config, when present
     max_len: int = 1024  # tokens of prompt + response (+ EOS); longer texts are cut as train_rm cuts them
     append_eos: bool = True
@@ -218,6 +222,8 @@ class RMEngine:
 
         token, ph, reward_ids = self.prm
         bos = models.adds_bos(self.tok)
+        if self.spec.prm_step_separator is not None:
+            pairs = [(p, mark_steps(r, self.spec.prm_step_separator, token)) for p, r in pairs]
         enc = [prm.encode(self.tok, p + r, ph, self.spec.max_len, bos) for p, r in pairs]
         for k, (ids, n) in enumerate(enc):
             if n == 0:
@@ -233,6 +239,17 @@ class RMEngine:
             for j, i in enumerate(idx):
                 out[i] = [v for v, b in zip(p, sample.tolist()) if b == j]
         return [(prm.aggregate(v, self.spec.prm_aggregate), v) for v in out]
+
+
+def mark_steps(response: str, separator: str, placeholder: str) -> str:
+    """`response` with every non-blank step (the text between separators) ending in " " + placeholder, as
+    Math-Shepherd's data marks them ("a = 1 ки\nb = 2 ки"); a blank response becomes one empty step."""
+    if not separator:
+        raise ValueError("prm_step_separator must not be empty")
+    steps = response.split(separator)
+    if not any(s.strip() for s in steps):
+        return response.rstrip() + f" {placeholder}"
+    return separator.join(s.rstrip() + f" {placeholder}" if s.strip() else s for s in steps)
 
 
 # ---------------------------------------------------------------------------------------------- reward_func file

@@ -37,6 +37,8 @@ class Config(StageConfig):
                                                                  "reward from its step rewards (default min), as score.")
     prm_tokens: list[str] | None = Field(None, min_length=3, description="A plain causal LM as a process reward model: "
                                          "placeholder, then reward tokens (positive first), as score.")
+    prm_step_separator: str | None = Field(None, min_length=1, description="Process reward model only: where a step of "
+                                           "a sample ends (e.g. a newline); the placeholders are put there, as score.")
     reference_uri: str | None = Field(None, description="Reference model (e.g. the initial policy): report KL(policy || "
                                       "reference) per response token.")
     prompt_template: str | None = Field(None, description="Applied to each prompt, e.g. '{prompt} <rm_score>: 1.00 ' "
@@ -63,11 +65,11 @@ def run(cfg: Config) -> store.Manifest:
     inputs = {"policy": policy_m, "prompts": prompts_m}
     if cfg.reward_model_uri:
         inputs["reward_model"] = model_input(cfg.reward_model_uri, cfg.storage_options)[1]
-    if cfg.prm_aggregate or cfg.prm_tokens:
+    if cfg.prm_aggregate or cfg.prm_tokens or cfg.prm_step_separator:
         if not cfg.reward_model_uri or check_reward_model(model_input(cfg.reward_model_uri, cfg.storage_options)[0],
                                                           prm_tokens=cfg.prm_tokens) != "prm":
-            raise ConfigError(f"eval: prm_aggregate / prm_tokens apply to a process reward model; reward_model_uri "
-                              f"{cfg.reward_model_uri} is not one")
+            raise ConfigError(f"eval: prm_aggregate / prm_tokens / prm_step_separator apply to a process reward model; "
+                              f"reward_model_uri {cfg.reward_model_uri} is not one")
     if cfg.gold_reward_file:
         inputs["gold_reward"] = store.source_manifest(cfg.gold_reward_file, cfg.storage_options)
     if cfg.reference_uri:
@@ -102,7 +104,8 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.reward_model_uri:
         rm_dir = str(model_input(cfg.reward_model_uri, cfg.storage_options)[0])
         rm = compute_rewards(RewardSpec(model=rm_dir, storage_options=cfg.storage_options, prm_aggregate=cfg.prm_aggregate or "min",
-                                        prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None), prompts, responses, labels)
+                                        prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None,
+                                        prm_step_separator=cfg.prm_step_separator), prompts, responses, labels)
         for s, r in zip(samples, rm.rewards):
             s["rm_reward"] = r
         metrics["rm_reward"] = _mean(rm.rewards)

@@ -9,7 +9,9 @@ A process reward model (from train_prm; recognised by its config.json, no flag) 
 with its placeholder token: `step_rewards` (a list column) holds the steps' rewards, `reward` their
 `prm_aggregate` (min by default: the weakest step, as Math-Shepherd ranks solutions; or last, or mean).
 A causal-LM PRM trained elsewhere is named by `prm_tokens` (placeholder, then reward tokens, positive first).
-Samples whose response has no placeholder are refused by row before any scoring.
+Samples whose response has no placeholder are refused by row before any scoring, unless
+`prm_step_separator` (e.g. "\n") names where a step ends: then the placeholders are put there for scoring
+(rlhf_core.rewards.mark_steps), the samples keep their text, and a response already holding one is refused.
 
     rlhf-flows stage score samples_uri=... reward_model_uri=... output_uri=...
     rlhf-flows serve-rm s3://b/rm --port 5000     # then, elsewhere:
@@ -42,6 +44,10 @@ class Config(StageConfig):
                                          "A plain causal LM as a process reward model (one not trained here, e.g. "
                                          "Math-Shepherd's): its placeholder token, then its reward tokens, the "
                                          "positive first, e.g. [ки, +, -]. A train_prm artifact names its own.")
+    prm_step_separator: str | None = Field(None, min_length=1, description=
+                                           "Process reward model only: split each response into steps at this string "
+                                           "(e.g. a newline) and end each step with the placeholder before scoring, for "
+                                           "policies whose samples hold no placeholders.")
     normalize_reward: bool = Field(True, description="Apply reward_mean/reward_std from the reward model's config.")
     max_len: int = Field(2048, ge=2, description="Max tokens of prompt + response scored by the reward model.")
     append_eos: bool = Field(True, description="Append EOS before scoring with the reward model (as OpenRLHF does).")
@@ -87,23 +93,28 @@ def run(cfg: Config) -> store.Manifest:
         model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
     elif cfg.reward_func_path:
         load_reward_func(cfg.reward_func_path, cfg.storage_options)  # exists and defines reward_func
-    for k in ("prm_aggregate", "prm_tokens"):
+    for k in ("prm_aggregate", "prm_tokens", "prm_step_separator"):
         if getattr(cfg, k) and kind != "prm":
-            raise ConfigError(f"{k}={getattr(cfg, k)} applies to a process reward model; "
+            raise ConfigError(f"{k}={getattr(cfg, k)!r} applies to a process reward model; "
                               f"{cfg.reward_model_uri or cfg.reward_func_path or cfg.remote_rm_url} is not one")
     if kind == "prm":  # every response must hold steps the PRM can rate
         token = (cfg.prm_tokens or [json.loads((rm_dir / "config.json").read_text())["prm_placeholder_token"]])[0]
-        bad = [i for i, r in enumerate(rows) if token not in r["response"]]
-        if bad:
+        sep = cfg.prm_step_separator
+        bad = [i for i, r in enumerate(rows) if (token in r["response"]) == (sep is not None)]
+        if bad and sep is None:
             raise data.DataError(f"{cfg.samples_uri} row {bad[0]}: key 'response' has no step placeholder {token!r} "
                                  f"of the process reward model {cfg.reward_model_uri} ({len(bad)} of {len(rows)} rows "
-                                 f"lack it): a PRM scores steps that end with it")
+                                 f"lack it): a PRM scores steps that end with it (or set prm_step_separator)")
+        if bad:
+            raise data.DataError(f"{cfg.samples_uri} row {bad[0]}: key 'response' already holds the step placeholder "
+                                 f"{token!r} ({len(bad)} of {len(rows)} rows do), and prm_step_separator={sep!r} would "
+                                 "add more: give one or the other")
     w.begin()
 
     # 3. score
     spec = RewardSpec(model=model, func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
                       value_head_prefix=cfg.value_head_prefix, prm_aggregate=cfg.prm_aggregate or "min",
-                      prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None,
+                      prm_tokens=tuple(cfg.prm_tokens) if cfg.prm_tokens else None, prm_step_separator=cfg.prm_step_separator,
                       normalize=cfg.normalize_reward, max_len=cfg.max_len,
                       append_eos=cfg.append_eos, batch_size=cfg.batch_size, dtype=cfg.dtype, timeout_s=cfg.timeout_s,
                       retries=cfg.retries, storage_options=cfg.storage_options)

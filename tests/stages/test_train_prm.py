@@ -87,6 +87,40 @@ def test_prm_learns_held_out_step_labels_and_scores_per_step(trained, prm_base, 
         assert r.rewards == pytest.approx([fn(s) for s in steps], abs=1e-6)
 
 
+def test_prm_step_separator_scores_a_policys_unmarked_steps(trained, tiny, tmp_path):
+    """A policy's samples hold no placeholders: with prm_step_separator="\n" the score stage marks each step
+    where the training data marked it, so the held-out responses stripped of their placeholders get the step
+    rewards of the marked ones; the stored responses stay unmarked. A response that already holds a
+    placeholder, or the setting without a PRM, is refused; nothing is committed."""
+    from rlhf_core.rewards import mark_steps
+
+    assert mark_steps(" great tea\n\nbad lamp \n", "\n", "ки") == " great tea ки\n\nbad lamp ки\n"
+    assert mark_steps("  ", "\n", "ки") == " ки"  # a blank response is one empty step
+    _, prm_dir = trained
+    marked_uri, _ = held_out_samples(tmp_path)
+    marked = store.read_table(marked_uri).to_pylist()
+    uri = str(tmp_path / "unmarked")
+    w = store.ArtifactWriter(uri, "data", {})
+    w.begin()
+    w.write_table("rows.parquet", data.to_table([{**r, "response": r["response"].replace(" ки", "")} for r in marked], "samples"))
+    w.commit()
+    out = score.run(score.Config(samples_uri=uri, reward_model_uri=str(prm_dir), prm_step_separator="\n",
+                                 output_uri=str(tmp_path / "scored"), num_engines=0))
+    scored = store.read_table(out.uri).to_pylist()
+    want = compute_rewards(RewardSpec(model=str(prm_dir)), [r["prompt"] for r in marked], [r["response"] for r in marked])
+    assert [len(r["step_rewards"]) for r in scored] == [len(x) for x in want.step_rewards]
+    assert sum((r["step_rewards"] for r in scored), []) == pytest.approx(sum(want.step_rewards, []), abs=1e-5)
+    assert out.metrics["prm_steps"] == sum(map(len, want.step_rewards)) > len(scored)
+    assert not any("ки" in r["response"] for r in scored)
+    with pytest.raises(data.DataError, match=r"held-out-samples row 0: key 'response' already holds the step placeholder"):
+        score.run(score.Config(samples_uri=marked_uri, reward_model_uri=str(prm_dir), prm_step_separator="\n",
+                               output_uri=str(tmp_path / "s"), num_engines=0))
+    with pytest.raises(ConfigError, match=r"prm_step_separator=.\\n. applies to a process reward model"):
+        score.run(score.Config(samples_uri=uri, reward_model_uri=tiny.reward_uri, prm_step_separator="\n",
+                               output_uri=str(tmp_path / "s"), num_engines=0))
+    assert not store.committed_any(str(tmp_path / "s"))
+
+
 def test_score_refuses_samples_without_steps_and_aggregate_without_prm(trained, tiny, tmp_path):
     _, prm_dir = trained
     uri = str(tmp_path / "plain-samples")
@@ -98,7 +132,7 @@ def test_score_refuses_samples_without_steps_and_aggregate_without_prm(trained, 
     w.commit()
     with pytest.raises(data.DataError, match=r"plain-samples row 1: key 'response' has no step placeholder 'ки'"):
         score.run(score.Config(samples_uri=uri, reward_model_uri=str(prm_dir), output_uri=str(tmp_path / "s"), num_engines=0))
-    with pytest.raises(ConfigError, match=r"prm_aggregate=last applies to a process reward model"):
+    with pytest.raises(ConfigError, match=r"prm_aggregate='last' applies to a process reward model"):
         score.run(score.Config(samples_uri=uri, reward_model_uri=tiny.reward_uri, prm_aggregate="last",
                                output_uri=str(tmp_path / "s"), num_engines=0))
     with pytest.raises(RewardError, match=r"prm_tokens name a process reward model, a causal LM; .*ForSequenceClassification"):
@@ -185,6 +219,6 @@ def test_eval_scores_with_a_prm_as_score_does(trained, prm_base, tiny, tmp_path)
                             [r["response"] for r in rows])
     assert [r["rm_reward"] for r in rows] == pytest.approx([s[-1] for s in again.step_rewards], abs=1e-6)
     assert m.metrics["rm_reward"] == pytest.approx(sum(again.rewards) / len(rows), abs=1e-6)
-    with pytest.raises(ConfigError, match=r"eval: prm_aggregate / prm_tokens apply to a process reward model"):
+    with pytest.raises(ConfigError, match=r"eval: prm_aggregate / prm_tokens / prm_step_separator apply to a process reward"):
         eval_stage.run(eval_stage.Config(**cfg, reward_model_uri=tiny.reward_uri, output_uri=str(tmp_path / "e2")))
     assert not store.committed_any(str(tmp_path / "e2"))
