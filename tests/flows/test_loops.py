@@ -117,6 +117,40 @@ def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
     assert len(prompts) == len(set(prompts)) == 64  # rs keeps exactly one response per prompt
 
 
+def test_raft_with_a_process_reward_model_raises_gold_reward(demo_run, s3_root, tmp_path):
+    """A process reward model (train_prm on the demo's step-labelled reviews) as the loop's reward_uri. The
+    policy's samples hold no step placeholders: score.prm_step_separator=" " makes every word a step, and
+    prm_aggregate=mean rates a review by the share of its words the PRM calls good. RAFT's best of 4 by that
+    reward raises the held-out gold reward and the PRM's own eval reward; the scored samples carry one step
+    reward per word and their mean as the reward, the samples' text unmarked."""
+    import json as json_
+
+    from flows.raft import Params, raft
+    from rlhf_core import tiny as tiny_mod
+    from stages import train_prm
+
+    tok = tiny_mod.build_tokenizer(tmp_path / "tok", demo_task.corpus(0), added_tokens=(demo_task.PLACEHOLDER, *demo_task.REWARD_TOKENS))
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("\n".join(json_.dumps(r) for r in demo_task.step_rows(384, seed=0)))
+    prm = train_prm.run(train_prm.Config(base_uri=str(tiny_mod.build_model(tmp_path / "base", tok, "policy", seed=0)),
+                                         dataset_uri=str(steps), output_uri=str(tmp_path / "prm"), max_len=64,
+                                         learning_rate=3e-3, train_batch_size=16, micro_train_batch_size=16, max_epochs=2,
+                                         lr_warmup_ratio=0.0, zero_stage=0))
+    sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 2, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 48}
+    params = _loop_params(demo_run, s3_root, run_name="raft-prm", iterations=2, sft_loop=sft_loop,
+                          score={"prm_step_separator": " ", "prm_aggregate": "mean"})
+    report = raft(Params(**{**params, "reward_uri": prm.uri}))
+    rows = report["iterations"]
+    gold, prm_reward = [r["gold_reward"] for r in rows], [r["rm_reward"] for r in rows]
+    # Measured (2026-11-24, the same loop from the CLI): gold -0.003, 0.044, 0.114; PRM mean 0.332, 0.393, 0.467
+    assert gold[2] > gold[0] + 0.05 and prm_reward[2] > prm_reward[0] + 0.05, (gold, prm_reward)
+    scored = store.read_table(f"{s3_root}/raft-prm/iter-1/score").to_pylist()
+    assert all(len(r["step_rewards"]) == len(r["response"].split()) or not r["response"].strip() for r in scored)
+    assert all(r["reward"] == pytest.approx(sum(r["step_rewards"]) / len(r["step_rewards"])) for r in scored)
+    assert not any(demo_task.PLACEHOLDER in r["response"] for r in scored)
+    assert store.read_manifest(f"{s3_root}/raft-prm/iter-1/eval").config["prm_step_separator"] == " "
+
+
 def test_conditional_sft_learns_to_follow_its_condition_on_s3(demo_run, s3_root):
     """configs/demo_csft.yaml's loop, as the README runs it, from the demo's SFT policy and reward model,
     scored through `rlhf-flows serve-rm` (reward_url: the flows' remote reward path): every sample is trained
