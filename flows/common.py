@@ -131,6 +131,11 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
     settings). Placeholder URIs stand in for the inputs the loop wires in."""
     if len(given := [f for f in ("reward_uri", "reward_func_file", "reward_url") if getattr(p, f)]) > 1:
         raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
+    if given and (unused := [f for f in ("train_rm", "preference_data", "reward_base_uri") if getattr(p, f)]):
+        raise ConfigError(f"{flow_name}: {given[0]} is the reward, so no reward model is trained and "
+                          f"{', '.join(unused)} would be ignored: remove them")
+    if not (p.demo or p.sft_data) and p.sft:
+        raise ConfigError(f"{flow_name}: sft settings apply to the SFT warm-up on sft_data, which is not set: remove them")
     for k in ("prm_aggregate", "prm_tokens", "prm_step_separator"):  # whether reward_uri is a PRM: the score stage checks
         if p.score.get(k) and not p.reward_uri:
             raise ConfigError(f"{flow_name}: score.{k} applies to a process reward model given as reward_uri")

@@ -14,9 +14,11 @@ DEMO = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.y
 
 
 def demo_params(**over) -> dict:
+    """configs/demo.yaml with `over` on top: a stage's settings are merged into the demo's, and an empty dict
+    drops them (e.g. sft={} and train_rm={} where the loop starts from a trained policy and reward model)."""
     out = copy.deepcopy(DEMO)
     for k, v in over.items():
-        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = {**out[k], **v} if v and isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 

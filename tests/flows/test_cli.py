@@ -214,6 +214,30 @@ def test_the_flow_table_names_every_flow_and_its_stages(monkeypatch):
         common.validate(raft.Params(demo=True), "raft", raft.checks(raft.Params(demo=True)))
 
 
+def test_loop_settings_that_a_given_reward_or_missing_sft_data_leave_unused_are_refused():
+    """With a reward source given no reward model is trained: train_rm, preference_data and reward_base_uri
+    would be ignored, so they are refused; so are sft settings without sft_data (outside the demo)."""
+    from flows import common
+    from stages.common import ConfigError
+
+    raft = cli._flow_module("raft")
+    base = {"root": "/tmp/x", "pretrain_uri": "p", "prompt_data": "d"}
+    for extra, unused in (({"reward_uri": "rm", "train_rm": {"max_epochs": 1}}, "train_rm"),
+                          ({"reward_url": "http://127.0.0.1:9/", "preference_data": "pairs.jsonl"}, "preference_data"),
+                          ({"reward_func_file": "r.py", "reward_base_uri": "b", "train_rm": {"max_len": 8}},
+                           "train_rm, reward_base_uri")):
+        p = raft.Params(**base, **extra)
+        with pytest.raises(ConfigError, match=rf"raft: {next(iter(extra))} is the reward, .* {unused} would be ignored"):
+            common.validate(p, "raft", raft.checks(p))
+    p = raft.Params(**base, reward_uri="rm", sft={"max_epochs": 1})
+    with pytest.raises(ConfigError, match=r"raft: sft settings apply to the SFT warm-up on sft_data, which is not set"):
+        common.validate(p, "raft", raft.checks(p))
+    p = raft.Params(**base, reward_uri="rm", sft_data="sft.jsonl", sft={"max_epochs": 1})  # both: the warm-up runs
+    common.validate(p, "raft", raft.checks(p))
+    p = raft.Params(**base, preference_data="pairs.jsonl", train_rm={"max_epochs": 1})  # trains its reward model
+    common.validate(p, "raft", raft.checks(p))
+
+
 def test_raft_with_trainer_kd_is_checked_before_any_work():
     """raft trainer=kd: the iteration's trainer is the kd stage (table count 5), its settings are validated
     against stages/kd.py up front; no teacher_uri, the other trainer's settings or a bad kd_coef are refused."""
