@@ -133,9 +133,11 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
         raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
     if given and (unused := [f for f in ("train_rm", "preference_data", "reward_base_uri") if getattr(p, f)]):
         raise ConfigError(f"{flow_name}: {given[0]} is the reward, so no reward model is trained and "
-                          f"{', '.join(unused)} would be ignored: remove them")
+                          f"{', '.join(unused)} would be ignored: remove them (on the command line: "
+                          f"{' '.join(u + '=null' for u in unused)})")
     if not (p.demo or p.sft_data) and p.sft:
-        raise ConfigError(f"{flow_name}: sft settings apply to the SFT warm-up on sft_data, which is not set: remove them")
+        raise ConfigError(f"{flow_name}: sft settings apply to the SFT warm-up on sft_data, which is not set: "
+                          "remove them (on the command line: sft=null)")
     for k in ("prm_aggregate", "prm_tokens", "prm_step_separator"):  # whether reward_uri is a PRM: the score stage checks
         if p.score.get(k) and not p.reward_uri:
             raise ConfigError(f"{flow_name}: score.{k} applies to a process reward model given as reward_uri")

@@ -68,9 +68,13 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 
 def merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, section by section; `section=null` drops a section `base` sets (its default applies)."""
     out = dict(base)
     for k, v in extra.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if v is None and isinstance(out.get(k), dict):
+            del out[k]
+        else:
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 

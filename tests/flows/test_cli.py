@@ -238,6 +238,25 @@ def test_loop_settings_that_a_given_reward_or_missing_sft_data_leave_unused_are_
     common.validate(p, "raft", raft.checks(p))
 
 
+def test_a_config_files_section_is_dropped_on_the_command_line_with_null(tmp_path):
+    """A config file that trains its reward model, run with a given reward_uri instead: `train_rm=null
+    preference_data=null` drops what would go unused, and the run validates; without them it is refused."""
+    from flows import common
+    from stages.common import ConfigError, load_config
+
+    raft = cli._flow_module("raft")
+    cfg = tmp_path / "raft.yaml"
+    cfg.write_text("root: /tmp/x\npretrain_uri: p\nprompt_data: d\npreference_data: pairs.jsonl\n"
+                   "train_rm: {max_epochs: 1}\nsft_loop: {max_epochs: 2}\n")
+    p = load_config(raft.Params, cfg, ["reward_uri=rm"])
+    with pytest.raises(ConfigError, match=r"train_rm, preference_data would be ignored: remove them \(on the "
+                                          r"command line: train_rm=null preference_data=null\)"):
+        common.validate(p, "raft", raft.checks(p))
+    p = load_config(raft.Params, cfg, ["reward_uri=rm", "train_rm=null", "preference_data=null"])
+    assert p.train_rm == {} and p.preference_data is None and p.sft_loop == {"max_epochs": 2}
+    common.validate(p, "raft", raft.checks(p))
+
+
 def test_raft_with_trainer_kd_is_checked_before_any_work():
     """raft trainer=kd: the iteration's trainer is the kd stage (table count 5), its settings are validated
     against stages/kd.py up front; no teacher_uri, the other trainer's settings or a bad kd_coef are refused."""

@@ -77,8 +77,12 @@ def test_config_runs_its_flow_scaled_down_on_plain_folders(name, plain_inputs, m
     run_name = Path(name).stem.replace("_", "-")
     over = {**scaled_down(raw, mod.Params), **plain_inputs, "demo": False, "iterations": 1,
             "root": f"s3://{moto_s3.bucket}/configs", "run_name": run_name}
-    for key in ("sft_data", "preference_data", "eval_prompt_data"):  # warm-up, RM training, eval: other tests
-        over.pop(key, None)
+    for key, section in (("sft_data", "sft"), ("preference_data", "train_rm"), ("eval_prompt_data", None)):
+        over.pop(key, None)  # warm-up, RM training, eval: other tests. Their sections would go unused (the
+        if section:          # flow refuses them): a section the file sets is dropped as a user does, `section=null`
+            over.pop(section, None)
+            if section in raw:
+                over[section] = None
     # as a user runs it: `rlhf-flows run FLOW --config configs/NAME key=value ...` (sections as section.key=value)
     args = [f"{k}={json.dumps(v)}" for k, v in over.items() if not isinstance(v, dict)]
     args += [f"{k}.{kk}={json.dumps(vv)}" for k, v in over.items() if isinstance(v, dict) for kk, vv in v.items()]
