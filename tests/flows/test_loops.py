@@ -223,3 +223,23 @@ def test_iterative_loop_with_kto_raises_gold_reward_on_s3(demo_run, s3_root):
     m = store.read_manifest(f"{s3_root}/kto/iter-1/kto")
     assert m.stage == "kto" and m.metrics["final_reward_gap"] > 0 and report["iterations"][1]["kto_reward_gap"] > 0
     assert not store.committed_any(f"{s3_root}/kto/iter-1/reference")
+
+
+def test_raft_with_trainer_kd_distills_from_the_teacher_each_iteration(demo_run, s3_root):
+    """trainer=kd: RAFT's kept rows train through the kd stage, distilling from a frozen teacher (here the
+    demo run's last DPO policy) mixed with the NLL by kd_coef; the iteration's policy is the kd output."""
+    from flows.raft import Params, raft
+
+    teacher = f"{demo_run.run}/iter-2/dpo"
+    kd_cfg = {"teacher_uri": teacher, "kd_coef": 0.5, "learning_rate": 5.0e-4, "max_epochs": 2,
+              "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 48}
+    report = raft(Params(**_loop_params(demo_run, s3_root, run_name="raft-kd", iterations=1, trainer="kd", kd=kd_cfg)))
+    assert report["stop_reason"] == "completed all iterations"
+    run = f"{s3_root}/raft-kd"
+    m = store.read_manifest(f"{run}/iter-1/kd")
+    assert m.stage == "kd" and m.config["kd_coef"] == 0.5
+    assert {i["name"]: i["uri"] for i in m.inputs} == {"policy": demo_run.sft, "teacher": teacher,
+                                                       "dataset": f"{run}/iter-1/best_of_n"}
+    assert m.metrics["steps_done"] == m.metrics["planned_steps"] >= 1 and m.metrics["final_kl"] >= 0
+    assert {i["name"]: i["uri"] for i in store.read_manifest(f"{run}/iter-1/eval").inputs}["policy"] == f"{run}/iter-1/kd"
+    assert not store.committed_any(f"{run}/iter-1/sft")
