@@ -24,6 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # each xdist worker its own model cache (stages share it by fingerprint)
+    os.environ["RLHF_FLOWS_CACHE"] = os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                                  f"rlhf-flows-cache-{os.getpid()}-{os.environ['PYTEST_XDIST_WORKER']}")
 
 
 def free_port() -> int:
@@ -112,6 +115,11 @@ def prefect_harness():
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once),
+    # and every file that uses the session's demo run shares one worker, so the demo trains once.
+    demo_files = {item.path for item in items if "demo_run" in getattr(item, "fixturenames", ())}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("demo" if item.path in demo_files else str(item.path)))
     try:
         import torch
 
