@@ -224,6 +224,7 @@ class Executor:
     max_new_tokens: int
     max_turns: int = 1
     agent_cls: type | None = None
+    encode_prompt: object = None  # a rewritten first observation -> prompt ids (BOS, prompt_max_len); default encode
 
     @property
     def where(self) -> str:
@@ -247,7 +248,7 @@ class Executor:
             raise AgentError(f"{name}, reset: {type(e).__name__}: {e}") from e
         obs_text = reset.get("observation", prompt) if isinstance(reset, dict) else prompt
         if obs_text != prompt:  # the environment rewrote the first observation
-            ep.prompt_ids = self.encode(obs_text)
+            ep.prompt_ids = (self.encode_prompt or self.encode)(obs_text)
         last: dict = {}
         while True:
             budget = self.max_new_tokens - len(ep.ids)

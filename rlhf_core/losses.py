@@ -68,8 +68,9 @@ def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch
     """Bradley-Terry reward-model loss. chosen, rejected, margin # (B,).
 
     sigmoid: -log sigmoid(r_c - r_r - margin)     (InstructGPT, arXiv:2203.02155 eq. 1; Llama-2 margin)
-    logexp:  log(1 + exp(r_r - r_c))              (OpenRLHF LogExpLoss; the same value without a margin)
-    e.g. r_c=2, r_r=1, margin 0: -log sigmoid(1) = log(1 + e^-1) = 0.3133.
+    logexp:  log(1 + exp(r_r - r_c))              (OpenRLHF LogExpLoss, Anthropic HH arXiv:2204.05862; the same
+             value without a margin), computed as softplus(r_r - r_c): log1p(exp(.)) overflows past 88.7 in float32
+    e.g. r_c=2, r_r=1, margin 0: -log sigmoid(1) = log(1 + e^-1) = 0.3133; logexp at r_r - r_c = 100: 100.0.
     """
     diff = chosen - rejected  # (B,)
     if kind == "sigmoid":
@@ -77,7 +78,7 @@ def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch
     elif kind == "logexp":
         if margin is not None:
             raise ValueError("the logexp reward-model loss takes no margin (use kind='sigmoid')")
-        losses = torch.log1p(torch.exp(-diff))
+        losses = F.softplus(-diff)
     else:
         raise ValueError(f"unknown reward-model loss {kind!r} (sigmoid or logexp)")
     d = diff.detach()

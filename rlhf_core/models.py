@@ -86,6 +86,16 @@ def prompt_ids(tok, text: str, bos: bool | None = None) -> list[int]:
     return ids
 
 
+def keep_last(ids: list[int], max_len: int, bos_id: int | None = None) -> list[int]:
+    """A prompt cut to its last max_len tokens, keeping a leading BOS (bos_id) in front: a model trained with
+    a BOS at position 0 never sees a prompt without one. e.g. [BOS, 1, 2, 3, 4], 3 -> [BOS, 3, 4]."""
+    if len(ids) <= max_len:
+        return ids
+    if bos_id is not None and ids and ids[0] == bos_id and max_len > 1:
+        return [bos_id] + ids[len(ids) - (max_len - 1):]
+    return ids[len(ids) - max_len:]
+
+
 # ---------------------------------------------------------------------------------------------- LoRA adapters
 ADAPTER_DIR = "adapter"  # where training saves a LoRA adapter inside a model artifact
 

@@ -176,8 +176,9 @@ class RMEngine:
         # The tokenization train_rm trained on (rlhf_core.train.batches.Encoder): the same tokens at serve time.
         self.encoder = Encoder(self.tok, spec.max_len, "truncate", path)
 
-    def encode(self, prompt: str, response: str) -> list[int]:
-        return self.encoder(prompt, response, finished=self.spec.append_eos)[0]
+    def encode(self, prompt: str, response: str, finished: bool = True) -> list[int]:
+        """A response cut by the generation length gets no EOS (as train_rm encodes an unfinished response)."""
+        return self.encoder(prompt, response, finished=self.spec.append_eos and finished)[0]
 
     def forward(self, batch: list[list[int]]):
         """Raw rewards of a batch of token-id lists (left padded; position ids from the mask). (B,)"""
@@ -194,16 +195,17 @@ class RMEngine:
                       position_ids=pos.to(self.device)).last_hidden_state  # (B, T, H)
         return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
 
-    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
-        return [r for r, _ in self.rate(pairs)]
+    def score(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[float]:
+        return [r for r, _ in self.rate(pairs, finished)]
 
-    def rate(self, pairs: list[tuple[str, str]]) -> list[tuple[float, list[float] | None]]:
-        """(reward, a PRM's per-step rewards or None) of each (prompt, response)."""
+    def rate(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[tuple[float, list[float] | None]]:
+        """(reward, a PRM's per-step rewards or None) of each (prompt, response); `finished` False marks a
+        response cut by the generation length (no EOS appended)."""
         import torch
 
         if self.prm is not None:
             return self._rate_steps(pairs)
-        enc = [self.encode(p, r) for p, r in pairs]
+        enc = [self.encode(p, r, f) for (p, r), f in zip(pairs, finished or [True] * len(pairs))]
         out = [0.0] * len(enc)
         order = sorted(range(len(enc)), key=lambda i: -len(enc[i]))
         for s in range(0, len(order), self.spec.batch_size):

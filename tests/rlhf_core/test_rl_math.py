@@ -34,7 +34,7 @@ def test_group_baselines():
     """One group [1, 2, 3, 6]: mean 3; reinforce_baseline / dr_grpo [-2, -1, 0, 3];
     rloo r_i - mean of the others: 1 - 11/3, 2 - 10/3, 3 - 9/3, 6 - 6/3 = [-2.6667, -1.3333, 0, 4];
     group_norm: std (Bessel) = sqrt((4 + 1 + 0 + 9) / 3) = 2.160247 -> [-0.925820, -0.462910, 0, 1.388730].
-    Two groups of 2 ([0, 1], [5, 5]): group_norm [-0.7071, 0.7071, 0, 0] (std 0 -> 0 / eps = 0)."""
+    Two groups of 2 ([0, 1], [5, 5]): group_norm [-0.7071, 0.7071, 0, 0] (std 0 -> the zero-std guard: 0)."""
     s = t(1.0, 2.0, 3.0, 6.0)
     assert rm.shape_scores(s, 4, "reinforce_baseline").tolist() == pytest.approx([-2, -1, 0, 3])
     assert rm.shape_scores(s, 4, "dr_grpo").tolist() == pytest.approx([-2, -1, 0, 3])
@@ -46,6 +46,120 @@ def test_group_baselines():
         rm.shape_scores(s, 1, "rloo")
     with pytest.raises(ValueError, match="unknown advantage_estimator"):
         rm.shape_scores(s, 4, "ppo2")
+
+
+GROUPED = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo")
+
+
+def test_equal_reward_groups_get_exactly_zero():
+    """A group of 8 equal rewards has std 0 and carries no signal: every grouped estimator gives exactly 0
+    (GRPO (r - mean) / (std + eps) = 0 / eps = 0; RLOO r - mean of the others = 0; baseline r - mean = 0).
+    float32 inputs, as the loop passes them: the float32 mean of eight 0.7s (or -1.234s) is an ulp off, which
+    group_norm divided by a ~0 std (|A| 0.9 to 60) and the others left as 6e-8 / 1.2e-7.
+    The binary (verifier) cases: all 0 or all 1 -> 0; a mixed group of 0/1 [1, 0, 0, 0, 0, 0, 0, 1] next to an
+    equal group keeps its signal: mean 0.25, std (Bessel) sqrt((2 * 0.75^2 + 6 * 0.25^2) / 7) = sqrt(1.5 / 7)
+    = 0.462910 -> 1: 0.75 / 0.462910 = 1.620185, 0: -0.25 / 0.462910 = -0.540062. Output float32."""
+    for value in (0.7, -1.234, 0.0, 1.0):
+        s = torch.full((8,), value, dtype=torch.float32)
+        for est in GROUPED:
+            out = rm.shape_scores(s, 8, est)
+            assert out.dtype == torch.float32 and out.tolist() == [0.0] * 8, (value, est, out.tolist())
+    mixed = torch.tensor([0.7] * 8 + [1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.float32)
+    gn = rm.shape_scores(mixed, 8, "group_norm")
+    assert gn[:8].tolist() == [0.0] * 8
+    assert gn[8:].tolist() == pytest.approx([1.620185] + [-0.540062] * 6 + [1.620185], abs=1e-6)
+    # through the pipeline (reinforce_baseline is whitened too: mean 0, var 0 floored -> 0)
+    mask = torch.ones(8, 3)
+    for est in GROUPED:
+        adv, _ = rm.advantages_and_returns(est, torch.full((8,), 0.7), mask, 8, torch.zeros(8, 3), 0.0)
+        assert adv.abs().max().item() == 0.0, est
+
+
+def test_kl_estimate_is_clamped_like_openrlhf():
+    """OpenRLHF's compute_approx_kl clamps the estimate to [-10, 10] (verl's low_var_kl too). By hand:
+    d = -30: k1 = -30 -> -10; k2 = 450 -> 10; k3 = e^30 - 1 - 30 -> 10.
+    d = -10: k1 -10; k2 = 50 -> 10; k3 = e^10 - 1 - 10 = 22015.47 -> 10.
+    d = -2 (inside): k1 -2, k2 2, k3 = e^2 - 1 - 2 = 4.389056.
+    d = 10: k1 10; k2 50 -> 10; k3 = e^-10 - 1 + 10 = 9.000045 (below the clamp).
+    d = 30: k1 30 -> 10; k2 450 -> 10; k3 = e^-30 - 1 + 30 = 29 -> 10.
+    Unclamped, k3 at d = -30 was e^30 = 1.07e13 per token (and inf past d = -88.7 in float32).
+    The gradient stays finite where exp(-d) overflows float32 (d = -100): the clamped estimate passes 0, not
+    0 * inf = NaN; inside the window d k3 / d logp = 1 - e^-d = 1 - e^2 = -6.389056 at d = -2."""
+    d = torch.tensor([[-30.0, -10.0, -2.0, 10.0, 30.0]])
+    ref = torch.zeros_like(d)
+    assert rm.kl_estimate(d, ref, "k1")[0].tolist() == pytest.approx([-10, -10, -2, 10, 10])
+    assert rm.kl_estimate(d, ref, "k2")[0].tolist() == pytest.approx([10, 10, 2, 10, 10])
+    assert rm.kl_estimate(d, ref, "k3")[0].tolist() == pytest.approx([10, 10, 4.389056, 9.000045, 10], abs=1e-5)
+    lp = torch.tensor([[-100.0, -2.0, 100.0]], requires_grad=True)
+    for kind in ("k1", "k2", "k3"):
+        kl = rm.kl_estimate(lp, torch.zeros(1, 3), kind)
+        (g,) = torch.autograd.grad(kl.sum(), lp)
+        assert torch.isfinite(kl).all() and torch.isfinite(g).all(), kind
+        assert g[0, 0].item() == 0.0 and g[0, 2].item() == 0.0, kind  # past the clamp: no gradient
+    (g,) = torch.autograd.grad(rm.kl_estimate(lp, torch.zeros(1, 3), "k3").sum(), lp)
+    assert g[0, 1].item() == pytest.approx(1 - math.exp(2), abs=1e-5)
+
+
+def test_policy_loss_log_ratio_clamped_to_20():
+    """OpenRLHF's PolicyLoss and verl clamp logp - old_logp to [-20, 20] before exp. float32, eps 0.2, one token:
+    log-ratio 100, A = -1: ratio e^20 = 485165195.4; -min(-e^20, -1.2) = e^20 (unclamped: exp(100) = inf in
+    float32, loss inf); gradient 0 (past the clamp) instead of NaN.
+    log-ratio 100, A = 1: -min(e^20, 1.2) = -1.2; gradient 0 (unclamped: 0 * inf = NaN).
+    log-ratio -100, A = 1: ratio e^-20 = 2.061154e-9; -min(e^-20, 0.8) = -2.061154e-9; gradient 0.
+    log-ratio 19 (inside), A = -1: loss e^19 = 178482301.0 and d loss / d logp = -A * ratio = e^19."""
+    def run(log_ratio, a):
+        lp = torch.tensor([[log_ratio]], requires_grad=True)
+        loss, _ = rm.policy_loss(lp, torch.zeros(1, 1), torch.tensor([[a]]), torch.ones(1, 1))
+        (g,) = torch.autograd.grad(loss, lp)
+        return loss.item(), g.item()
+
+    assert run(100.0, -1.0) == (pytest.approx(math.exp(20), rel=1e-6), 0.0)
+    assert run(100.0, 1.0) == (pytest.approx(-1.2), 0.0)
+    assert run(-100.0, 1.0) == (pytest.approx(-math.exp(-20), rel=1e-5), 0.0)
+    assert run(-100.0, -1.0) == (pytest.approx(0.8), 0.0)  # -min(-e^-20, -0.8) = 0.8, clip branch
+    loss, g = run(19.0, -1.0)
+    assert loss == pytest.approx(math.exp(19), rel=1e-6) and g == pytest.approx(math.exp(19), rel=1e-6)
+
+
+def test_reward_clip_applies_to_the_shaped_score():
+    """OpenRLHF's compute_reward clamps the reward it is given, which is already the group-shaped one.
+    rloo on [2, 5] (n 2), clip (-1, 1), one token each, no KL: shaped [2 - 5, 5 - 2] = [-3, 3] -> [-1, 1]
+    (clipping the raw scores first gave [1, 1] -> [0, 0]: no signal).
+    group_norm on [1, 2, 3, 6], clip (-1, 1): [-0.925820, -0.462910, 0, 1.388730] -> [..., 1.0]
+    (raw-first gave [1, 1, 1, 1] -> 0)."""
+    mask = torch.ones(2, 1)
+    adv, ret = rm.advantages_and_returns("rloo", t(2.0, 5.0), mask, 2, torch.zeros(2, 1), 0.0, reward_clip=(-1.0, 1.0))
+    assert adv.flatten().tolist() == pytest.approx([-1.0, 1.0]) and ret.flatten().tolist() == pytest.approx([-1.0, 1.0])
+    adv, _ = rm.advantages_and_returns("group_norm", t(1.0, 2.0, 3.0, 6.0), torch.ones(4, 1), 4, torch.zeros(4, 1),
+                                       0.0, reward_clip=(-1.0, 1.0))
+    assert adv.flatten().tolist() == pytest.approx([-0.925820, -0.462910, 0.0, 1.0], abs=1e-6)
+
+
+def test_grouped_estimators_refuse_gamma_below_one():
+    """The grouped baselines compare whole-sequence scores: OpenRLHF resets gamma to 1 for rloo /
+    reinforce_baseline / group_norm / dr_grpo; here gamma 0.9 is refused, naming the estimator and gamma.
+    gae and reinforce take gamma 0.9: returns of one token with reward 1 = 1."""
+    args = (t(0.0, 1.0), torch.ones(2, 1), 2, torch.zeros(2, 1), 0.0)
+    for est in GROUPED:
+        with pytest.raises(ValueError, match=rf"{est} needs gamma = 1.*gamma = 0\.9"):
+            rm.advantages_and_returns(est, *args, gamma=0.9)
+    _, ret = rm.advantages_and_returns("reinforce", *args, gamma=0.9)
+    assert ret.flatten().tolist() == pytest.approx([0.0, 1.0])
+
+
+def test_whiten_variance_floor_and_mean_only():
+    """OpenRLHF's advantage normalisation: (x - mean) * rsqrt(clamp(var, min=1e-8)), population variance.
+    [0, 2e-4]: mean 1e-4, var 1e-8 -> +-1e-4 * 1e4 = [-1, 1] (the old var + eps form: +-1e-4 / sqrt(2e-8) = 0.7071);
+    [0, 2e-5]: var 1e-10 is floored at 1e-8 -> +-1e-5 * 1e4 = [-0.1, 0.1].
+    std_norm=False (--no_advantage_std_norm) subtracts the mean only: [1, 5, (pad 100)] -> [-2, 2, 0].
+    REINFORCE++ with std_norm=False (scores [1, 0], kl 0.2 on row 0, coef 0.5): returns [[0.8, 0.9], [0, 0]],
+    mean 0.425 -> [[0.375, 0.475], [-0.425, -0.425]]; the grouped estimators are never whitened."""
+    assert rm.whiten(t([0.0, 2e-4]), t([1, 1]))[0].tolist() == pytest.approx([-1, 1], abs=1e-9)
+    assert rm.whiten(t([0.0, 2e-5]), t([1, 1]))[0].tolist() == pytest.approx([-0.1, 0.1], abs=1e-9)
+    assert rm.whiten(t([1.0, 5.0, 100.0]), t([1, 1, 0]), std_norm=False)[0].tolist() == pytest.approx([-2, 2, 0])
+    adv, _ = rm.advantages_and_returns("reinforce", t(1.0, 0.0), t([1, 1], [1, 1]), 1, t([0.2, 0.2], [0, 0]), 0.5,
+                                       std_norm=False)
+    assert adv.flatten().tolist() == pytest.approx([0.375, 0.475, -0.425, -0.425], abs=1e-6)
 
 
 def test_discounted_returns_and_gae():
@@ -164,6 +278,10 @@ def test_rollout_is_weight_tis_and_icepop():
     assert rm.rollout_is_weight(old, roll, 0.5, 5.0)[0].tolist() == pytest.approx([0.5, 1, 3, 5])
     assert rm.rollout_is_weight(old, roll, 0.5, 5.0, icepop=True)[0].tolist() == pytest.approx([0, 1, 3, 0])
     assert rm.rollout_is_weight(old + 1.0, roll + 1.0, 0.0, 2.0)[0].tolist() == pytest.approx([0.25, 1, 2, 2])
+    # a gap of 100 overflows float32 (rho = inf): TIS clamps it to high, ICEPOP masks it to 0 (inf * 0 was NaN)
+    far = torch.tensor([[100.0, 0.0]])
+    assert rm.rollout_is_weight(far, torch.zeros(1, 2), 0.5, 5.0)[0].tolist() == [5.0, 1.0]
+    assert rm.rollout_is_weight(far, torch.zeros(1, 2), 0.5, 5.0, icepop=True)[0].tolist() == [0.0, 1.0]
 
 
 def test_policy_loss_with_is_weight():

@@ -1,0 +1,187 @@
+"""The ppo roles called in-process (no Ray): every tensor reaches its model's device, and every log-prob is of
+the tempered policy.
+
+Device discipline without a GPU: each role's model is moved to the `meta` device after it is built, and a
+forward pre-hook on every module asserts that each tensor input sits on that module's device. An embedding
+lookup of CPU ids into a meta weight does not raise by itself (../shared/ENV-NOTES.md), so the hooks are what
+catch a batch left on the CPU (the roles before this test passed Ray's CPU tensors straight to the model).
+The same roles run on CUDA in tests/test_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlhf_core import losses
+from rlhf_core.ppo import loop
+from rlhf_core.ppo.roles import HFRollout, Learner, Reference, policy_logprobs, to_device
+from rlhf_core.rewards import RMEngine, RewardSpec
+from stages import ppo
+
+META = torch.device("meta")
+
+
+class StopForward(Exception):
+    """Raised by a guard once the first forward's inputs were checked (for code that needs values after it)."""
+
+
+def on_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """The model moved to `meta`, with eager attention (sdpa's mask shortcut reads a value, which meta lacks)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    return model.to(META)
+
+
+def device_guard(model: torch.nn.Module, stop_after_first: bool = False) -> list:
+    """Forward pre-hooks on every module that owns parameters: each tensor input must be on that module's
+    device. Returns the list of checked module names (grows as forwards run)."""
+    seen: list[str] = []
+
+    def hook(name):
+        def check(mod, args, kwargs):
+            dev = next(mod.parameters()).device
+            for t in [*args, *kwargs.values()]:
+                if torch.is_tensor(t):
+                    assert t.device == dev, f"{name}: input on {t.device}, module on {dev}"
+            seen.append(name)
+            if stop_after_first and name == "":
+                raise StopForward
+        return check
+
+    for name, mod in model.named_modules():
+        if any(True for _ in mod.parameters(recurse=False)) or name == "":
+            mod.register_forward_pre_hook(hook(name), with_kwargs=True)
+    return seen
+
+
+def settings(**over) -> dict:
+    base = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r.py", rollout_batch_size=2,
+                n_samples_per_prompt=2, advantage_estimator="group_norm", train_batch_size=4,
+                micro_train_batch_size=2, zero_stage=0)
+    cfg = ppo.Config(**{**base, **over})
+    return loop.learner_settings(cfg)
+
+
+def experience(policy_dir, B: int = 4, P: int = 5, R: int = 6) -> dict:
+    """A CPU batch as the driver sends it: B rows of a P-token prompt and an R-token response."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (P,), generator=g).tolist() for _ in range(B)]
+    resp = [torch.randint(3, 300, (R - (i % 2),), generator=g).tolist() for i in range(B)]
+    b = loop.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
+    T = b["mask"].shape
+    b.update(old_logp=torch.full(T, -1.0), adv=torch.randn(T, generator=g), ref_logp=torch.full(T, -1.1),
+             old_values=torch.zeros(T), returns=torch.ones(T))
+    return b
+
+
+@pytest.fixture
+def learner_env():
+    """Learner.setup sets the torch.distributed variables (restored afterwards) and makes a 1-rank gloo group
+    (kept: DeepSpeed caches it, later learners in this process reuse it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def make_learner(kind: str, model_dir, hp) -> Learner:
+    from rlhf_core.jobs import free_port
+
+    learner = Learner(kind, 0, 1)
+    learner.setup(str(model_dir), hp, "127.0.0.1", free_port(), total_steps=4)
+    return learner
+
+
+@pytest.mark.parametrize("kind", ["policy", "critic"])
+def test_learner_moves_every_input_to_its_models_device(tiny, learner_env, kind):
+    hp = settings(advantage_estimator="gae", reward_model_uri="rm", reward_func_path=None, n_samples_per_prompt=1,
+                  rollout_batch_size=4, use_kl_loss=True, temperature=0.7)
+    learner = make_learner(kind, tiny.policy_dir if kind == "policy" else tiny.reward_dir, hp)
+    batch = experience(tiny.policy_dir)
+    on_meta(learner.module)
+    learner.device = META
+    seen = device_guard(learner.module)
+    out = learner.forward(batch)  # experience: old log-probs / values
+    assert out.shape == batch["mask"].shape and out.device.type == "cpu"
+    loss, met = learner.loss({k: v[:2] for k, v in batch.items()}, kl_loss_coef=0.1)  # a training micro-batch
+    assert loss.device == META and loss.dim() == 0
+    head = "lm_head" if kind == "policy" else "score"
+    assert "model.embed_tokens" in seen and head in seen and len(seen) > 6  # the whole model ran under the guard
+
+
+def test_reference_and_hf_rollout_move_their_inputs(tiny):
+    hp = settings(temperature=0.7, bf16=False)
+    ref = Reference(str(tiny.policy_dir), hp)
+    on_meta(ref.model)
+    ref.device = META
+    seen = device_guard(ref.model)
+    batch = experience(tiny.policy_dir)
+    assert ref.forward(batch).shape == batch["mask"].shape and seen
+
+    eng = HFRollout(str(tiny.policy_dir))
+    on_meta(eng.model)
+    eng.device = META
+    device_guard(eng.model, stop_after_first=True)
+    # generate reads a value of its inputs' special-token check before the first forward: on meta inputs that
+    # fails there (they reached the model's device); CPU inputs would pass it and hit the guard's AssertionError
+    with pytest.raises(RuntimeError, match="meta tensors"):
+        eng.generate([[5, 6, 7], [8, 9]], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=0)
+
+
+def test_reward_model_moves_its_inputs(tiny):
+    rm = RMEngine(str(tiny.reward_dir), RewardSpec(model=str(tiny.reward_dir), dtype="float32"))
+    on_meta(rm.body)
+    rm.head.to(META)
+    rm.device = META
+    device_guard(rm.body)
+    device_guard(rm.head, stop_after_first=True)
+    with pytest.raises(StopForward):
+        rm.score([("a review:", "great"), ("another:", "bad")])
+
+
+@pytest.mark.parametrize("T", [0.3, 0.6, 1.3])
+def test_rollout_and_trainer_logprobs_are_the_tempered_policys(tiny, learner_env, T):
+    """HF rollout engine and the policy learner at temperature T: the sampled tokens' log-probs agree (< 1e-3
+    mean abs, fp32) and both equal log_softmax(logits / T) computed here by hand; the learner's logged
+    entropy is the tempered policy's."""
+    from transformers import AutoModelForCausalLM
+
+    eng = HFRollout(str(tiny.policy_dir))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outs = eng.generate(prompts, n=3, max_new_tokens=8, temperature=T, top_p=1.0, top_k=0, seed=1)
+    eps = [(p, o) for p, per in zip(prompts, outs) for o in per]
+    batch = loop.collate([p for p, _ in eps], [o["ids"] for _, o in eps], eng.pad_id,
+                         logprobs=[o["logprobs"] for _, o in eps])
+    mask = batch["mask"]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1].float() / T
+    by_hand = torch.log_softmax(logits, -1).gather(-1, batch["ids"][:, 1:, None]).squeeze(-1) * mask
+    hp = settings(temperature=T, n_samples_per_prompt=3, rollout_batch_size=2, train_batch_size=6,
+                  micro_train_batch_size=6)
+    learner = make_learner("policy", tiny.policy_dir, hp)
+    trainer = learner.forward(batch)
+    n = mask.sum()
+    assert float(((batch["rollout_logp"] - trainer).abs() * mask).sum() / n) < 1e-3
+    assert float(((trainer - by_hand).abs() * mask).sum() / n) < 1e-5
+    untempered = torch.log_softmax(logits * T, -1).gather(-1, batch["ids"][:, 1:, None]).squeeze(-1) * mask
+    assert float(((trainer - untempered).abs() * mask).sum() / n) > 1e-2  # T really changes them
+    b = {**batch, "old_logp": trainer, "adv": torch.ones_like(mask)}
+    _, met = learner.loss(b, 0.0)
+    p = torch.softmax(logits, -1)
+    entropy = losses.reduce_tokens(-(p * torch.log_softmax(logits, -1)).sum(-1), mask)
+    assert abs(float(met["entropy"]) - float(entropy)) < 1e-4
+
+
+def test_policy_logprobs_default_temperature_is_the_raw_policy(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir), dtype=torch.float32).eval()
+    batch = to_device(experience(tiny.policy_dir), "cpu")
+    with torch.no_grad():
+        lp, ent = policy_logprobs(model, batch)
+        full = losses.token_logprobs(model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits, batch["ids"])
+    assert ent is None
+    assert torch.allclose(lp, full * batch["mask"], atol=1e-5)
