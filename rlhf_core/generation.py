@@ -190,8 +190,10 @@ ENGINES = {"hf": HFEngine, "vllm": VLLMEngine}
 
 
 # ---------------------------------------------------------------------------------------------- Ray sharding
-def _ray_up(ray_address: str | None) -> bool:
-    """Connect to Ray; True when we started it (and so must shut it down)."""
+def _ray_up(ray_address: str | None, object_store_bytes: int = 0) -> bool:
+    """Connect to Ray; True when we started it (and so must shut it down). A local Ray's object store holds
+    max(200 MB, object_store_bytes): the ppo stage asks for room for its weight sync, which would otherwise
+    spill to disk every step."""
     import ray
 
     if ray.is_initialized():
@@ -200,8 +202,8 @@ def _ray_up(ray_address: str | None) -> bool:
     if ray_address:
         ray.init(address=ray_address, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=200 * 1024 ** 2,
-                 log_to_driver=True)
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
+                 object_store_memory=max(200 * 1024 ** 2, object_store_bytes), log_to_driver=True)
     return True
 
 

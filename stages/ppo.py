@@ -15,7 +15,9 @@ file (agent_func_path, max_turns) whose rewards replace it; dynamic_filtering dr
 score is outside dynamic_filtering_reward_range and samples more; enable_vllm_is_correction (TIS) / use_icepop
 weight the policy loss by the trainer/rollout probability ratio. async_train overlaps the rollout of step k+1
 with training on step k (weights at most async_queue_size updates old); colocate_all_models /
-colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Left out: a
+colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Every role runs
+on its own device (the GPU Ray reserved for it, else the CPU) in bf16 with `bf16`; every log-prob is of the
+tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). Left out: a
 torch.distributed weight-sync group (weights go through Ray's object store) and the hybrid engine's
 vllm_enable_sleep / deepspeed_enable_sleep (refused).
 
@@ -117,7 +119,10 @@ class Config(StageConfig):
     max_turns: int = Field(8, ge=1, description="Turns per agent episode at most (generate_max_len bounds its tokens).")
     dynamic_filtering: bool = Field(False, description="Drop prompt groups whose mean score is outside the range; resample.")
     dynamic_filtering_reward_range: tuple[float, float] = Field((0.0, 1.0), description="(low, high): groups kept when low < mean score < high.")
-    dynamic_filtering_max_rounds: int = Field(4, ge=0, description="Extra sampling rounds per step at most; then dropped groups fill up.")
+    dynamic_filtering_max_rounds: int = Field(4, ge=0, description="Extra sampling rounds per step at most; then "
+                                              "dropped groups fill up the batch (DAPO / OpenRLHF keep sampling "
+                                              "instead). Extra prompts are drawn from all prompts outside the step's "
+                                              "batch, so one trained earlier in the episode can come again.")
     enable_vllm_is_correction: bool = Field(False, description="TIS: weight the policy loss by the rollout/old ratio truncated to the threshold.")
     vllm_is_truncated_threshold: tuple[float, float] = Field((0.5, 5.0), description="(low, high) of the IS ratio pi_old / pi_rollout.")
     use_icepop: bool = Field(False, description="ICEPOP: zero the IS coefficient outside the threshold instead of clamping.")

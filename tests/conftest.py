@@ -114,6 +114,7 @@ def prefect_harness():
         yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once),
     # and every file that uses the session's demo run shares one worker, so the demo trains once.

@@ -397,7 +397,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     state = State(kl_coef=cfg.init_kl_coef)
     work.mkdir(parents=True, exist_ok=True)
     meta = checkpoints.latest(ckpt_uri, fingerprint, storage_options)
-    started = _ray_up(cfg.ray_address)
+    weights = sum(f.stat().st_size for f in Path(dirs["policy"]).glob("*.safetensors"))
+    started = _ray_up(cfg.ray_address, object_store_bytes=3 * weights)  # room for the synced state dict
     roles = feed = None
     try:
         import ray
@@ -445,7 +446,14 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             t0 = time.perf_counter()
             ref_logp = _forward([roles.reference], batch) if use_ref else None
             t_ref = time.perf_counter() - t0
-            old_logp = _forward(roles.policy, batch)
+            # On-policy, one optimizer step per rollout and no KL term: the learners' own first forward runs on
+            # the old weights (no update has happened yet), so they take old_logp = logp.detach() there and the
+            # separate experience pass is skipped (TRL does the same with one step per generation).
+            actor_trained = step >= cfg.freezing_actor_steps
+            reuse_old = actor_trained and not use_ref and cfg.max_epochs == 1 and cfg.train_batch_size == R * n
+            t0 = time.perf_counter()
+            old_logp = None if reuse_old else _forward(roles.policy, batch)
+            t_old = time.perf_counter() - t0
             values = _forward(roles.critic, batch) if roles.critic else None
             mask = batch["mask"]
             kl = rl_math.kl_estimate(old_logp, ref_logp, cfg.kl_estimator) * mask if use_ref else torch.zeros_like(mask)  # (B, T)
@@ -454,7 +462,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             adv, ret = rl_math.advantages_and_returns(cfg.advantage_estimator, scores, mask, n, kl, reward_kl,
                                                       cfg.gamma, cfg.lambd, values, clip,
                                                       std_norm=not cfg.no_advantage_std_norm)
-            exp = {**batch, "old_logp": old_logp, "adv": adv, "returns": ret}
+            exp = {**batch, "adv": adv, "returns": ret}
+            if old_logp is not None:
+                exp["old_logp"] = old_logp
             if use_ref:
                 exp["ref_logp"] = ref_logp
             if values is not None:
@@ -464,7 +474,6 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             metrics = {}
             if roles.critic:
                 metrics.update(_train(roles.critic, exp, 0.0))
-            actor_trained = step >= cfg.freezing_actor_steps
             if actor_trained:
                 metrics.update(_train(roles.policy, exp, kl_ctl.value))
             t_train = time.perf_counter() - t0
@@ -475,9 +484,10 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             rec = {"step": step + 1, "episode": episode + 1, "prompt_indices": idx, "reward": float(torch.tensor(raw).mean()),
                    "reward_std": float(torch.tensor(raw).std()), "kl": seq_kl, "kl_coef": kl_ctl.value,
                    "response_length": float(mask.sum(-1).mean()), "advantage_abs": float((adv.abs() * mask).sum() / mask.sum()),
-                   "rollout_logprob_gap": rollout_logprob_gap(batch, old_logp),
+                   "rollout_logprob_gap": metrics.pop("rollout_logprob_gap", float("nan")) if old_logp is None
+                   else rollout_logprob_gap(batch, old_logp), "old_logp_reused": old_logp is None,
                    "actor_trained": actor_trained, **metrics, **extra,
-                   "rollout_s": t_rollout, "reference_s": t_ref, "train_s": t_train,
+                   "rollout_s": t_rollout, "reference_s": t_ref, "old_logp_s": t_old, "train_s": t_train,
                    "weight_sync_s": t_sync, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
                    "driver_peak_mem_gb": peak_memory_gb()}
             if cfg.debug_step_sleep:
@@ -500,6 +510,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             ray.get([a.save_model.remote(str(out_dir / "critic")) for a in roles.critic])
         return {"history": state.history, "steps_done": state.step, "planned_steps": total,
                 "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
+                "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
+                                            for kind, group in (("policy", roles.policy), ("critic", roles.critic))
+                                            if group},
                 "ray_address": ray.get_runtime_context().gcs_address}
     finally:
         if feed is not None:

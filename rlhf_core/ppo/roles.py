@@ -97,29 +97,18 @@ class Learner:
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"))
         import deepspeed
         import deepspeed.ops
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         cuda = torch.cuda.is_available()
         if not cuda:
             deepspeed.ops.__dict__["__compatible_ops__"] = {}  # skip the 60-80 s shm op build (ENV-NOTES)
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         torch.manual_seed(hp["seed"] + self.rank)
-        dtype = torch.bfloat16 if hp["bf16"] else torch.float32
         ds = {"train_batch_size": hp["train_batch_size"], "train_micro_batch_size_per_gpu": hp["micro_train_batch_size"],
               "gradient_clipping": hp["max_norm"], "zero_optimization": {"stage": hp["zero_stage"]},
               "bf16": {"enabled": hp["bf16"]}, "zero_allow_untested_optimizer": True,
               "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
-        if hp["zero_stage"] == 3:  # from_pretrained loads straight into shards (zero.Init): no full copy per rank
-            from transformers.integrations import HfDeepSpeedConfig
-
-            self._hf_ds = HfDeepSpeedConfig(ds)  # must stay alive while the model loads
-        if self.kind == "policy":
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
-            lr = hp["actor_learning_rate"]
-        else:
-            model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
-                                                                       use_safetensors=True)
-            lr = hp["critic_learning_rate"]
+        model = self.load_model(model_dir, hp, ds)
+        lr = hp["actor_learning_rate"] if self.kind == "policy" else hp["critic_learning_rate"]
         if hp["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_dir, self.hp = model_dir, hp
@@ -136,6 +125,26 @@ class Learner:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)
         self.module, self.device = self.engine.module, self.engine.device
         return self.rank
+
+    def load_model(self, model_dir: str, hp: dict, ds: dict):
+        """The policy (causal LM) or critic (scalar head) in the training dtype. Under ZeRO-3, inside DeepSpeed's
+        zero.Init (HfDeepSpeedConfig): each parameter is partitioned as it is created, so no rank ever holds the
+        whole model, at load time either."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        dtype = torch.bfloat16 if hp["bf16"] else torch.float32
+        if hp["zero_stage"] == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds = HfDeepSpeedConfig(ds)  # must stay alive while the model loads
+        if self.kind == "policy":
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+        return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
+                                                                  use_safetensors=True)
+
+    def param_elements(self) -> int:
+        """Parameter elements this rank holds (its ZeRO-3 partitions, else every parameter)."""
+        return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -162,11 +171,15 @@ class Learner:
             loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg)
             return loss, {"critic_loss": loss.detach()}
         lp, ent = policy_logprobs(self.module, b, hp["temperature"], "loss" if hp["entropy_loss_coef"] else "metric")
-        w = rl_math.rollout_is_weight(b["old_logp"], b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
+        reused = "old_logp" not in b  # on-policy single update: this forward is the old policy (loop.train)
+        old = lp.detach() if reused else b["old_logp"]
+        w = rl_math.rollout_is_weight(old, b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
                                       hp["use_icepop"]) if hp["enable_vllm_is_correction"] else None
-        loss, met = rl_math.policy_loss(lp, b["old_logp"], b["adv"], mask, hp["eps_clip_low"], hp["eps_clip_high"],
+        loss, met = rl_math.policy_loss(lp, old, b["adv"], mask, hp["eps_clip_low"], hp["eps_clip_high"],
                                         hp["dual_clip"], agg, max_len, w)
         met = {"policy_loss": loss.detach(), **met, "entropy": losses.reduce_tokens(ent.detach(), mask)}
+        if reused and "rollout_logp" in b:
+            met["rollout_logprob_gap"] = losses.reduce_tokens((b["rollout_logp"] - old).abs(), mask)
         if w is not None:
             met["is_weight"] = losses.reduce_tokens(w, mask)
             met["is_masked"] = losses.reduce_tokens((w == 0).float(), mask)

@@ -60,6 +60,9 @@ def test_ppo_demo_learns_every_iteration_and_resumes_after_sigkill(demo_run, tmp
     assert report["stop_reason"] == "completed all iterations" and len(gold) == 3
     assert gold[1] > gold[0] + 0.05 and gold[2] > gold[1] + 0.05  # rises every iteration
     assert all(r["ppo_steps"] == 8 for r in report["iterations"][1:])
+    steps = report["steps"]  # every training step of every iteration, plotted in reward.png's third panel
+    assert [s["step"] for s in steps] == list(range(1, 17)) and [s["iteration"] for s in steps] == [1] * 8 + [2] * 8
+    assert all(isinstance(s["reward"], float) and isinstance(s["kl"], float) for s in steps)
     assert (run / "reward.png").exists() and not (run / "_LOCK.json").exists()
 
 

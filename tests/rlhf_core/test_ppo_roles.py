@@ -185,3 +185,22 @@ def test_policy_logprobs_default_temperature_is_the_raw_policy(tiny):
         full = losses.token_logprobs(model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits, batch["ids"])
     assert ent is None
     assert torch.allclose(lp, full * batch["mask"], atol=1e-5)
+
+
+def test_zero3_learner_loads_its_model_into_partitions(tiny, learner_env):
+    """Under ZeRO-3 the model is built inside zero.Init: every parameter is partitioned as from_pretrained
+    creates it (an empty placeholder plus this rank's ds_tensor), never a full tensor first."""
+    import deepspeed
+
+    from rlhf_core.jobs import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.ops.__dict__["__compatible_ops__"] = {}
+    deepspeed.init_distributed(dist_backend="gloo")
+    hp = settings(zero_stage=3)
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    model = Learner("policy", 0, 1).load_model(str(tiny.policy_dir), hp, ds)
+    params = list(model.parameters())
+    assert params and all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)
+    assert sum(p.ds_numel for p in params) == sum(p.ds_tensor.numel() for p in params) > 0  # world 1: one shard
+

@@ -126,6 +126,8 @@ def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp
         over.update(reward_func_path=None, remote_rm_url=reward_server[0])
     if estimator == "reinforce_baseline":
         over.update(reward_func_path=None, reward_model_uri=tiny.reward_uri)
+    if estimator == "rloo":  # sampling at T 0.6: rollout and trainer log-probs both of softmax(logits / 0.6)
+        over.update(temperature=0.6)
     if estimator == "dr_grpo":
         from flows.cli import main
 
@@ -140,6 +142,7 @@ def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp
     assert all(h["kl"] == 0 and "kl_loss" not in h for h in log)  # no KL term: no reference started
     assert all(h["advantage_abs"] > 0 and h["policy_loss"] == h["policy_loss"] for h in log)
     assert changed_fraction(warm.policy_dir, tmp_path / estimator) > 0.9
+    assert all(h["rollout_logprob_gap"] < 1e-3 and h["entropy"] > 0 for h in log)  # fp32, same weights, same T
     if estimator == "reinforce":
         assert sum(len(b["query"]) for b in reward_server[1]) == 32 + 2 * 64  # the probe batch (32 prompts), then 2 steps of 64 samples
 
@@ -161,6 +164,10 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     assert all(abs(h["is_weight"] - 1) < 1e-2 and h["is_masked"] == 0 for h in log)
     assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9
     assert changed_fraction(tiny.reward_dir, tmp_path / "z3" / "critic") > 0.5
+    # each rank holds its half of the parameters (ZeRO-3 partitions, loaded through zero.Init)
+    full = sum(t.numel() for t in load_file(str(tmp_path / "z3" / "model.safetensors")).values())
+    for n in m.metrics["param_elements_per_rank"]["policy"]:
+        assert full / 2 <= n < full / 2 * 1.05
 
 @pytest.mark.slow
 def test_async_grpo_learns_on_stale_rollouts_with_the_reference_beside_the_actor(warm, tmp_path):
@@ -218,6 +225,12 @@ def test_colocation_flags_share_placement_group_bundles(flags, expected):
     (dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=(2.0, 1.0)), r"vllm_is_truncated_threshold low must be < high"),
     (dict(use_icepop=True), "use_icepop needs enable_vllm_is_correction"),
     (dict(agent_func_path="env.py"), r"agent_func_path gives the rewards .*: drop \['reward_func_path'\]"),
+    (dict(use_kl_loss=True, init_kl_coef=0.0), "use_kl_loss needs a reference: init_kl_coef is 0"),
+    (dict(advantage_estimator="rloo", gamma=0.9), "rloo needs gamma 1 \\(got 0.9\\)"),
+    (dict(micro_rollout_batch_size=3), "micro_rollout_batch_size 3 does not divide the 16 samples per actor rank"),
+    (dict(micro_rollout_batch_size=3, actor_num_gpus_per_node=2, micro_train_batch_size=2),
+     "micro_rollout_batch_size 3 does not divide the 8 samples per actor rank"),
+    (dict(normalize_reward=True), "normalize_reward applies a reward model's stored mean/std: there is no reward_model_uri"),
 ])
 def test_bad_config_is_refused_by_name(over, message, tmp_path):
     base = dict(policy_uri="p", prompts_uri="q", output_uri=str(tmp_path / "out"), reward_func_path=demo_task.__file__,
