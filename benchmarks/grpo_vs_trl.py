@@ -29,8 +29,9 @@ P, G, MAX_LEN, MICRO = 16, 4, 16, 16
 SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=2048)}  # as benchmarks/ppo_step.py
 
 
-def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str) -> None:
-    """Runs inside the TRL environment."""
+def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, checkpointing: bool) -> None:
+    """Runs inside the TRL environment. `checkpointing`: GRPOConfig's default gradient_checkpointing=True, or
+    off (TRL at its best here: memory is no constraint at these sizes, recomputation only costs time)."""
     import importlib.util
 
     import datasets
@@ -59,7 +60,8 @@ def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str) ->
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=MICRO,
                       gradient_accumulation_steps=P * G // MICRO, num_generations=G, max_completion_length=MAX_LEN,
                       learning_rate=5e-4, beta=0.0, max_steps=steps, temperature=1.0, bf16=False, use_cpu=True,
-                      report_to=[], save_strategy="no", logging_steps=1, dataloader_num_workers=0, lr_scheduler_type="constant", seed=42)
+                      report_to=[], save_strategy="no", logging_steps=1, dataloader_num_workers=0, lr_scheduler_type="constant", seed=42,
+                      gradient_checkpointing=checkpointing)
     tr = GRPOTrainer(model=model, reward_funcs=[gold], args=args, train_dataset=ds, processing_class=tok,
                      callbacks=[Stamp()])
     t0 = time.perf_counter()
@@ -91,20 +93,22 @@ def main(trl_python: str, steps: int, size: str) -> None:
         ours = statistics.median(h["step_s"] for h in log[1:])
         out["ours"] = {"step_s": round(ours, 4), "samples_per_s": round(P * G / ours, 1),
                        "split_s": {k: round(statistics.median(h[k] for h in log[1:]), 4)
-                                   for k in ("rollout_s", "reward_s", "reference_s", "train_s", "weight_sync_s")},
+                                   for k in ("rollout_s", "reward_s", "reference_s", "old_logp_s", "train_s", "weight_sync_s")},
                        "startup_and_commit_s": round(wall - sum(h["step_s"] for h in log), 2)}
         print("ours:", json.dumps(out["ours"]), flush=True)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        res = subprocess.run([trl_python, __file__, "--part", "trl", "--policy", str(policy), "--prompts", str(prompts),
-                              "--steps", str(steps), "--demo-task", demo_task.__file__], env=env, text=True,
-                             capture_output=True)
-        line = next((x for x in res.stdout.splitlines() if x.startswith("TRL_RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"TRL part failed ({res.returncode}):\n{res.stderr[-3000:]}")
-        trl = json.loads(line[len("TRL_RESULT "):])
-        t = statistics.median(trl["step_s"][1:])
-        out["trl"] = {"step_s": round(t, 4), "samples_per_s": round(P * G / t, 1), "steps": trl["steps"]}
-    out["speedup_vs_trl"] = round(t / ours, 3)
+        for name, ckpt in (("trl_defaults", "1"), ("trl_best", "0")):  # defaults: gradient checkpointing on
+            res = subprocess.run([trl_python, __file__, "--part", "trl", "--policy", str(policy), "--prompts",
+                                  str(prompts), "--steps", str(steps), "--demo-task", demo_task.__file__,
+                                  "--checkpointing", ckpt], env=env, text=True, capture_output=True)
+            line = next((x for x in res.stdout.splitlines() if x.startswith("TRL_RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"TRL part failed ({res.returncode}):\n{res.stderr[-3000:]}")
+            trl = json.loads(line[len("TRL_RESULT "):])
+            t = statistics.median(trl["step_s"][1:])
+            out[name] = {"step_s": round(t, 4), "samples_per_s": round(P * G / t, 1), "steps": trl["steps"]}
+            out[f"speedup_vs_{name}"] = round(t / ours, 3)
+            print(name, json.dumps(out[name]), flush=True)
     out["load_at_end"] = os.getloadavg()[0]
     print(json.dumps(out, indent=1))
 
@@ -116,11 +120,12 @@ if __name__ == "__main__":
     ap.add_argument("--policy")
     ap.add_argument("--prompts")
     ap.add_argument("--demo-task")
+    ap.add_argument("--checkpointing", default="0")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     a = ap.parse_args()
     if a.part == "trl":
-        trl_part(a.policy, a.prompts, a.steps, a.demo_task)
+        trl_part(a.policy, a.prompts, a.steps, a.demo_task, a.checkpointing == "1")
     else:
         if not a.trl_python:
             sys.exit("--trl-python: the interpreter of a clean environment with trl==1.16.0 (see the docstring)")

@@ -268,6 +268,29 @@ class Reference:
                           for b in _micro_batches(batch, self.hp["micro_rollout_batch_size"])])
 
 
+class _SampledLogprobs:
+    """A logits processor that keeps each sampled token's log-prob under log_softmax(logits / T), one step at a
+    time: it holds one step's (rows, V) log-probs until the next call shows which token was sampled, so
+    generation never keeps (rows, new tokens, V) logits (transformers' output_logits would, in fp32).
+    transformers runs user processors before its temperature / top-k / top-p warpers: `scores` are raw here."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.prev, self.out = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:  # the token sampled from the previous step's distribution
+            self.out.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.prev = torch.log_softmax(scores.float() / self.temperature, -1)  # (rows, V)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """# (rows, new tokens): the last step's token is the sequences' last column."""
+        if self.prev is not None:
+            self.out.append(self.prev.gather(-1, sequences[:, -1:]).squeeze(-1))
+            self.prev = None
+        return torch.stack(self.out, 1) if self.out else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+
+
 class HFRollout:
     """A long-lived transformers-generate engine. Token in, token out: prompt ids in; per sample the sampled
     ids (up to and including EOS) and each sampled token's log-prob under the tempered distribution
@@ -296,16 +319,12 @@ class HFRollout:
         attn = torch.zeros_like(ids)
         for r, p in enumerate(prompt_ids):
             ids[r, width - len(p):], attn[r, width - len(p):] = torch.tensor(p), 1
-        gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n,
-                                  max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                                  eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True, output_logits=True,
-                                  use_cache=True)
-        new = gen.sequences[:, width:]  # (P*n, R)
-        # the raw logits of each step, tempered here: one (P*n, V) step at a time, never (P*n, R, V) in fp32
-        lp = torch.stack([torch.log_softmax(step.float() / temperature, -1).gather(-1, new[:, t, None]).squeeze(-1)
-                          for t, step in enumerate(gen.logits)], 1)  # (P*n, R)
-        new, lp = to_host(new), to_host(lp)
+        rec = _SampledLogprobs(temperature)
+        seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n,
+                                   max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                                   eos_token_id=sorted(self.eos_ids), logits_processor=[rec], use_cache=True)
+        new, lp = to_host(seqs[:, width:]), to_host(rec.finish(seqs))  # (P*n, R) each
         out: list[list[dict]] = [[] for _ in prompt_ids]
         for r in range(new.shape[0]):
             seq = new[r].tolist()

@@ -289,7 +289,7 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
     out = f"{s3_root}/ppo-resume"
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=out, **BASE,
                      advantage_estimator="reinforce_baseline", n_samples_per_prompt=2, actor_learning_rate=1e-4,
-                     init_kl_coef=0.01, kl_target=0.1, kl_horizon=100, normalize_reward=True, num_episodes=2,
+                     init_kl_coef=0.01, kl_target=0.1, kl_horizon=100, running_reward_norm=True, num_episodes=2,
                      save_steps=3, max_ckpt_num=2, debug_step_sleep=1.0)
     marker = f"RLHF_PPO_TEST_{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), marker: "1"}
