@@ -99,9 +99,9 @@ class Config(StageConfig):
     loss_agg: Literal["token", "sequence", "seq-sum-norm"] | None = Field(
         None, description="Loss reduction; default token (seq-sum-norm for dr_grpo). token averages over the tokens "
         "of each micro-batch (OpenRLHF's masked mean), not over the whole step's tokens as verl's token-mean does.")
-    normalize_reward: bool = Field(True, description="Apply the reward model's stored mean/std (train_rm's "
-                                   "reward_mean/reward_std, or OpenRLHF's normalize_reward + mean/std in its config): "
-                                   "OpenRLHF's meaning of the flag, which is off by default there. Needs reward_model_uri.")
+    normalize_reward: bool = Field(False, description="Apply the reward model's stored mean/std (train_rm's "
+                                   "reward_mean/reward_std, or OpenRLHF's normalize_reward + mean/std in its config), "
+                                   "as OpenRLHF's --normalize_reward. Needs reward_model_uri.")
     running_reward_norm: bool = Field(False, description="Normalise scores by their running mean/std over every "
                                       "step so far (not an OpenRLHF flag).")
     no_advantage_std_norm: bool = Field(False, description="gae / reinforce / reinforce_baseline: the global "
@@ -194,7 +194,7 @@ class Config(StageConfig):
         if est in rl_math.GROUPED and self.gamma != 1:
             raise ValueError(f"advantage_estimator {est} needs gamma 1 (got {self.gamma}): its group baseline is "
                              f"on the sequence score (OpenRLHF forces gamma to 1 for it)")
-        if "normalize_reward" in self.model_fields_set and self.normalize_reward and not self.reward_model_uri:
+        if self.normalize_reward and not self.reward_model_uri:
             raise ValueError("normalize_reward applies a reward model's stored mean/std: there is no "
                              "reward_model_uri; use running_reward_norm for a running normalisation")
         micro = self.micro_rollout_batch_size
