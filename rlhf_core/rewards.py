@@ -195,6 +195,11 @@ class RMEngine:
                       position_ids=pos.to(self.device)).last_hidden_state  # (B, T, H)
         return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
 
+    def peak_memory_gb(self) -> float:
+        from rlhf_core.ppo.roles import peak_memory_gb
+
+        return peak_memory_gb()
+
     def score(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[float]:
         return [r for r, _ in self.rate(pairs, finished)]
 

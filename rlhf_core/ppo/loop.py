@@ -151,6 +151,18 @@ class Roles:
                 setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
         ray.get(setups)
 
+    def peak_memory(self) -> dict:
+        """Peak memory (GB) of the inference roles: the reference, the reward model, the fullest rollout engine
+        (the learners report theirs with each train step)."""
+        import ray
+
+        named = [(k, a) for k, a in (("reference", self.reference), ("reward", self.reward)) if a is not None]
+        got = ray.get([a.peak_memory_gb.remote() for _, a in named] + [e.peak_memory_gb.remote() for e in self.rollouts])
+        out = {f"{k}_peak_mem_gb": v for (k, _), v in zip(named, got)}
+        if self.rollouts:
+            out["rollout_peak_mem_gb"] = max(got[len(named):])
+        return out
+
     def close(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -489,7 +501,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                    "actor_trained": actor_trained, **metrics, **extra,
                    "rollout_s": t_rollout, "reference_s": t_ref, "old_logp_s": t_old, "train_s": t_train,
                    "weight_sync_s": t_sync, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
-                   "driver_peak_mem_gb": peak_memory_gb()}
+                   "driver_peak_mem_gb": peak_memory_gb(), **roles.peak_memory()}
             if cfg.debug_step_sleep:
                 time.sleep(cfg.debug_step_sleep)
             rec["step_s"] = time.perf_counter() - t_step

@@ -262,6 +262,9 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
         self.model.to(self.device).eval()
 
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb()
+
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
         return torch.cat([to_host(policy_logprobs(self.model, to_device(b, self.device), self.hp["temperature"])[0])
@@ -333,6 +336,9 @@ class HFRollout:
             out[r // n].append({"ids": seq[:k], "logprobs": lp[r, :k].tolist(), "finish_reason": "stop" if stop else "length"})
         return out
 
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb()
+
     def load_weights(self, refs: list) -> int:
         """Replace the weights in place from a state_dict in Ray's object store (refs = [ObjectRef])."""
         import ray
@@ -381,6 +387,9 @@ class VLLMRollout:
             lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
             res[k // n].append({"ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length"})
         return res
+
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb()
 
     def load_weights(self, refs: list) -> int:
         import ray

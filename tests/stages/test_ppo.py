@@ -74,6 +74,9 @@ def check_log(out: str, cfg: ppo.Config) -> list[dict]:
     for h in log:
         assert h["rollout_s"] > 0 and h["train_s"] > 0 and (h["weight_sync_s"] > 0) == h["actor_trained"]
         assert h["rollout_logprob_gap"] < 1e-3  # rollout log-probs are the policy's own (same weights, fp32)
+        # what the run tells the user each step (also in its log line): memory per role, throughput
+        assert h["rollout_peak_mem_gb"] > 0 and h["driver_peak_mem_gb"] > 0 and h["rollout_tokens_per_s"] > 0
+        assert not h["actor_trained"] or (h["policy_peak_mem_gb"] > 0 and h["policy_tokens_per_s"] > 0)
     return log
 
 
