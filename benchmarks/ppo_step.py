@@ -79,6 +79,9 @@ def main(steps: int, size: str) -> None:
         tok = AutoTokenizer.from_pretrained(str(policy))
         ids = [tok(demo_task.INPUT_TEMPLATE.format(r["input"]), add_special_tokens=False).input_ids for r in rows]
         bare = bare_loop(str(policy), ids, tok.pad_token_id, steps)
+        import resource
+
+        bare_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # GB: this process ran the bare loop
         cfg = ppo.Config(policy_uri=str(policy), prompts_uri=str(prompts), output_uri=str(Path(d) / "out"),
                          reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE,
                          advantage_estimator="group_norm", zero_stage=0, **SETTINGS)
@@ -94,6 +97,9 @@ def main(steps: int, size: str) -> None:
     print(json.dumps({"steps": steps, "size": size, "settings": SETTINGS, "bare_step_s": round(b, 4), "stage_step_s": round(s, 4),
                       "stage_over_bare": round(s / b, 3), "stage_split_s": split,
                       "stage_startup_and_commit_s": round(wall - sum(stage), 2),
+                      "peak_rss_gb": {"bare_loop_process": round(bare_rss, 3),
+                                      **{k: round(max(h[k] for h in log), 3) for k in
+                                         ("policy_peak_mem_gb", "rollout_peak_mem_gb", "driver_peak_mem_gb")}},
                       "load": os.getloadavg()[0]}, indent=1))
 
 

@@ -116,11 +116,15 @@ def prefect_harness():
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once),
-    # and every file that uses the session's demo run shares one worker, so the demo trains once.
+    # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once).
+    # The files that use the session's demo run form two groups, the loops and the rest (about equal work):
+    # each group's worker trains the demo once, and the two halves of the longest tests run side by side.
     demo_files = {item.path for item in items if "demo_run" in getattr(item, "fixturenames", ())}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("demo" if item.path in demo_files else str(item.path)))
+        group = str(item.path)
+        if item.path in demo_files:
+            group = "demo-loops" if item.path.name == "test_loops.py" else "demo-other"
+        item.add_marker(pytest.mark.xdist_group(group))
     try:
         import torch
 
