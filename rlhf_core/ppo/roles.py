@@ -133,14 +133,18 @@ class Learner:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         dtype = torch.bfloat16 if hp["bf16"] else torch.float32
+        zero3 = None
         if hp["zero_stage"] == 3:
             from transformers.integrations import HfDeepSpeedConfig
 
-            self._hf_ds = HfDeepSpeedConfig(ds)  # must stay alive while the model loads
+            zero3 = HfDeepSpeedConfig(ds)  # transformers reads it (a weak reference) while this object lives
         if self.kind == "policy":
-            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
-        return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
-                                                                  use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
+                                                                       use_safetensors=True)
+        del zero3
+        return model
 
     def param_elements(self) -> int:
         """Parameter elements this rank holds (its ZeRO-3 partitions, else every parameter)."""

@@ -55,9 +55,18 @@ def _auto(method):
     return AutoModelForCausalLM, {}
 
 
-def load_model(spec: dict, cuda: bool, method):
+def load_model(spec: dict, cuda: bool, method, ds_config: dict | None = None):
+    """The method's model in the training dtype (QLoRA's 4-bit base, LoRA adapters). Under ZeRO-3 (ds_config)
+    from_pretrained runs inside DeepSpeed's zero.Init: each parameter is partitioned as it is created, so no
+    rank holds the whole model, at load time either. The switch is dropped after the load, so a method's
+    setup hook (a frozen teacher) loads whole models again."""
     dtype = torch.bfloat16 if spec["bf16"] else torch.float32
     kwargs = {}
+    zero3 = None
+    if ds_config and spec["zero_stage"] == 3 and not spec.get("load_in_4bit"):
+        from transformers.integrations import HfDeepSpeedConfig
+
+        zero3 = HfDeepSpeedConfig(ds_config)  # transformers reads it (a weak reference) while this object lives
     if spec.get("load_in_4bit"):  # QLoRA (arXiv:2305.14314): frozen NF4 base, double quantization, LoRA on top
         if not cuda:
             raise SystemExit("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none")
@@ -68,6 +77,7 @@ def load_model(spec: dict, cuda: bool, method):
                   "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
     auto, head = _auto(method)
     model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True, **head, **kwargs)
+    del zero3
     if spec.get("load_in_4bit"):
         from peft import prepare_model_for_kbit_training
 
@@ -265,7 +275,14 @@ def main(spec_ref: str) -> None:
                      spec["seed"], spec["max_epochs"], spec["length_bucketing"])
     total = plan.total_steps
     method = get_method(spec["method"])
-    model = load_model(spec, cuda, method)
+    zero = {"stage": spec["zero_stage"]}
+    if spec["adam_offload"]:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    ds_config = {"train_batch_size": spec["train_batch_size"], "train_micro_batch_size_per_gpu": spec["micro_train_batch_size"],
+                 "gradient_clipping": spec["max_norm"], "zero_optimization": zero, "bf16": {"enabled": spec["bf16"]},
+                 "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9,
+                 "wall_clock_breakdown": False}
+    model = load_model(spec, cuda, method, ds_config)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, spec["learning_rate"], spec["adam_betas"], spec["l2"])
     warm = max(1, math.ceil(spec["lr_warmup_ratio"] * total))
@@ -278,13 +295,6 @@ def main(spec_ref: str) -> None:
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    zero = {"stage": spec["zero_stage"]}
-    if spec["adam_offload"]:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-    ds_config = {"train_batch_size": spec["train_batch_size"], "train_micro_batch_size_per_gpu": spec["micro_train_batch_size"],
-                 "gradient_clipping": spec["max_norm"], "zero_optimization": zero, "bf16": {"enabled": spec["bf16"]},
-                 "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9,
-                 "wall_clock_breakdown": False}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
     pad_id = spec["pad_id"]
     if hasattr(method, "setup"):  # e.g. a frozen teacher the method's step forwards

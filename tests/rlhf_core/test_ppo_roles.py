@@ -187,20 +187,31 @@ def test_policy_logprobs_default_temperature_is_the_raw_policy(tiny):
     assert torch.allclose(lp, full * batch["mask"], atol=1e-5)
 
 
-def test_zero3_learner_loads_its_model_into_partitions(tiny, learner_env):
+@pytest.mark.parametrize("who", ["ppo learner", "training stage"])
+def test_zero3_loads_the_model_into_partitions(tiny, learner_env, who):
     """Under ZeRO-3 the model is built inside zero.Init: every parameter is partitioned as from_pretrained
-    creates it (an empty placeholder plus this rank's ds_tensor), never a full tensor first."""
+    creates it (an empty placeholder plus this rank's ds_tensor), never a full tensor first; afterwards the
+    switch is off again (a second model, e.g. a frozen teacher, loads whole)."""
     import deepspeed
+    from transformers import AutoModelForCausalLM
 
     from rlhf_core.jobs import free_port
+    from rlhf_core.train import entry
+    from rlhf_core.train.methods import get as get_method
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.ops.__dict__["__compatible_ops__"] = {}
     deepspeed.init_distributed(dist_backend="gloo")
-    hp = settings(zero_stage=3)
     ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
-    model = Learner("policy", 0, 1).load_model(str(tiny.policy_dir), hp, ds)
+    if who == "ppo learner":
+        model = Learner("policy", 0, 1).load_model(str(tiny.policy_dir), settings(zero_stage=3), ds)
+    else:
+        spec = {"model_dir": str(tiny.policy_dir), "bf16": False, "zero_stage": 3, "gradient_checkpointing": False,
+                "lora_rank": 0}
+        model = entry.load_model(spec, False, get_method("sft"), ds)
     params = list(model.parameters())
     assert params and all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)
     assert sum(p.ds_numel for p in params) == sum(p.ds_tensor.numel() for p in params) > 0  # world 1: one shard
+    whole = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir))
+    assert not any(hasattr(p, "ds_id") for p in whole.parameters()) and whole.num_parameters() > 0
 
