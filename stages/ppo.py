@@ -267,9 +267,13 @@ def run(cfg: Config) -> store.Manifest:
         check_reward_model(dirs["reward_model"])
     if critic_src:
         dirs["critic"] = str(model_input(critic_src, cfg.storage_options)[0])
-        if check_reward_model(dirs["critic"]) != "seq_cls":
+        try:  # kept a clear error (OpenRLHF's --critic_pretrain would also grow a value head on a causal LM)
+            kind = check_reward_model(dirs["critic"])
+        except RewardError as e:
+            kind = str(e)
+        if kind != "seq_cls":
             raise ConfigError(f"critic {critic_src} must be a *ForSequenceClassification model (its score head "
-                              f"becomes the value head)")
+                              f"becomes the value head): {kind}")
         if tokenizer_id(ctok := models.load_tokenizer(dirs["critic"], where=critic_src)) != tokenizer_id(tok):
             raise ConfigError(f"critic {critic_src} uses a different tokenizer than policy {cfg.policy_uri} "
                               f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")

@@ -19,15 +19,19 @@ def _ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _fit(prompt: list[int], response: list[int], max_len: int, overlong: str, where: str) -> tuple[list[int], bool]:
-    """prompt + response within max_len: the response is cut (then the prompt from the left) or the row refused."""
+def _fit(prompt: list[int], response: list[int], max_len: int, overlong: str, where: str,
+         bos_id: int | None = None) -> tuple[list[int], bool]:
+    """prompt + response within max_len: the response is cut (then the prompt from the left, keeping its BOS,
+    `bos_id`, in front) or the row refused."""
+    from rlhf_core.models import keep_last
+
     ids = prompt + response
     if len(ids) <= max_len:
         return ids, False
     if overlong == "reject":
         raise DataError(f"{where}: {len(ids)} tokens exceed max_len {max_len} (set overlong=truncate to cut it)")
-    if len(prompt) >= max_len:  # keep the prompt's end and one response token
-        prompt = prompt[-(max_len - 1):]
+    if len(prompt) >= max_len:  # keep the prompt's end (and its BOS) and one response token
+        prompt = keep_last(prompt, max_len - 1, bos_id)
     return (prompt + response)[:max_len], True
 
 
@@ -54,7 +58,7 @@ class Encoder:
         """(ids, start of the response, whether it was cut)."""
         p = self.prompt(prompt) if isinstance(prompt, str) else prompt
         r = _ids(self.tok, response) + ([self.eos] if finished is not False else [])
-        ids, cut = _fit(p, r, self.max_len, self.overlong, where)
+        ids, cut = _fit(p, r, self.max_len, self.overlong, where, self.tok.bos_token_id if self.bos else None)
         return ids, min(len(p), len(ids) - 1), cut
 
 

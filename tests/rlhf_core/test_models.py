@@ -60,6 +60,26 @@ def test_eos_only_after_finished_responses_and_padding_is_never_a_target(zoo):
     assert pairs[0]["chosen_ids"][-1] == eos and pairs[0]["rejected_ids"][-1] != eos
 
 
+def test_a_prompt_cut_from_the_left_keeps_its_bos(zoo):
+    """OpenRLHF keeps the prompt's end when it is too long; a Llama-style model also always saw a BOS first. The
+    trainers' batches (sft, rm, dpo, reference pass) and the ppo stage's prompts cut alike; no BOS for Qwen2."""
+    long_prompt = "Review of the tea: " + "very " * 40
+    for arch in ("llama3", "qwen2"):
+        tok = _tok(zoo[arch].policy)
+        full = models.prompt_ids(tok, long_prompt)
+        recs, cut = batches.tokenize_sft([{"input": long_prompt, "output": " good ."}], tok, 16,
+                                         model_dir=zoo[arch].policy)
+        ids = recs[0]["ids"]
+        assert cut and len(ids) == 16 and recs[0]["start"] == 15  # 15 prompt tokens, one response token
+        ppo_ids = models.keep_last(full, 12, tok.bos_token_id if models.adds_bos(tok) else None)
+        if arch == "llama3":
+            assert ids[0] == tok.bos_token_id and ids[1:15] == full[-14:], arch  # BOS + the prompt's last 14 tokens
+            assert ppo_ids == [tok.bos_token_id] + full[-11:]
+        else:
+            assert ids[:15] == full[-15:] and ppo_ids == full[-12:]
+            assert tok.bos_token_id is None or tok.bos_token_id not in ids
+
+
 @pytest.mark.parametrize("max_len", [64, 9])
 def test_reward_model_scores_the_tokens_it_was_trained_on(zoo, max_len):
     d = zoo["llama3"].reward

@@ -152,6 +152,25 @@ def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp
 
 
 @pytest.mark.slow
+def test_grpo_groups_of_equal_rewards_leave_the_policy_exactly_as_it_was(warm, tmp_path):
+    """A constant 0.7 reward (a format reward, a rubric step): every GRPO group has std 0, so every advantage is
+    exactly 0, and with no KL or entropy term the step's gradient is 0 and AdamW (l2 0) moves nothing. In float32
+    the group mean of eight 0.7s is one ulp off and (g - mean) / (std + eps) gave |advantages| of about 60."""
+    fn = tmp_path / "constant_reward.py"
+    fn.write_text("def reward_func(queries, prompts, labels):\n    return [0.7] * len(queries)\n")
+    out = tmp_path / "equal"
+    ppo.run(ppo.Config(**{**BASE, "reward_func_path": str(fn), "rollout_batch_size": 4, "train_batch_size": 32,
+                          "micro_train_batch_size": 16},
+                       policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(out),
+                       advantage_estimator="group_norm", n_samples_per_prompt=8, actor_learning_rate=1e-3,
+                       init_kl_coef=0.0, num_episodes=1, max_samples=8, save_steps=0))
+    log = json.loads((out / "training_log.json").read_text())
+    assert len(log) == 2 and all(h["reward"] == pytest.approx(0.7) and h["advantage_abs"] == 0.0 for h in log)
+    assert all(h["actor_trained"] for h in log)  # the optimizer did step, with zero gradients
+    assert changed_fraction(warm.policy_dir, out) == 0.0
+
+
+@pytest.mark.slow
 def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     """Policy and critic as 2-rank DeepSpeed ZeRO-3 groups (gloo) on shards of each batch: the gathered full
     weights reach the rollout engine (its log-probs equal the policy's) and both models train and save."""
@@ -278,6 +297,25 @@ def test_critic_with_another_tokenizer_is_refused(warm, tmp_path):
     with pytest.raises(ConfigError, match="different tokenizer"):
         ppo.run(_bad_run(warm, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
                          train_batch_size=8, critic_uri=str(critic)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_critic_from_a_causal_lm_is_refused(warm, tmp_path):
+    """OpenRLHF's --critic_pretrain may be a causal LM (it grows a value head); here the critic must already be a
+    sequence classifier (a reward model): a causal LM is refused by name before Ray starts."""
+    with pytest.raises(ConfigError, match=r"critic .* must be a \*ForSequenceClassification model .*LlamaForCausalLM"):
+        ppo.run(_bad_run(warm, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
+                         train_batch_size=8, critic_uri=warm.policy))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_on_a_gpu_without_bfloat16_is_refused(warm, tmp_path, monkeypatch):
+    """No GPU here: the CUDA queries answer as a V100 would (no bfloat16), the only stand-in for missing hardware."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ConfigError, match="bf16: Tesla V100-SXM2-16GB has no bfloat16 support; set bf16=false"):
+        ppo.run(_bad_run(warm, tmp_path, bf16=True))
     assert not (tmp_path / "out").exists()
 
 
