@@ -48,6 +48,46 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     return x.detach().cpu()
 
 
+# dtypes numpy has no type for travel as the same-width integers, viewed back on arrival
+_NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+def to_wire(sd: dict) -> dict:
+    """A state_dict for Ray's object store, as numpy arrays: `ray.put` copies each once into shared memory and
+    `ray.get` maps it without a copy. Torch tensors would be pickled and copied at both ends (measured here on a
+    57M-parameter fp32 model: put + get 0.7-2.3 s as tensors, 0.04-0.2 s as numpy arrays)."""
+    out = {}
+    for k, v in sd.items():
+        v = v.detach().cpu()
+        out[k] = (v.view(_NO_NUMPY[v.dtype]).numpy(), v.dtype) if v.dtype in _NO_NUMPY else v.numpy()
+    return out
+
+
+def from_wire(sd: dict) -> dict:
+    """`to_wire`'s arrays as tensors sharing their (read-only, object-store) memory, for a `load_state_dict` or
+    weight loader that copies them into the model; tensors pass through (an in-process state_dict)."""
+    import warnings
+
+    import numpy as np
+
+    out = {}
+    with warnings.catch_warnings():  # read-only views: the loaders copy from them, never write
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for k, v in sd.items():
+            if isinstance(v, tuple):
+                out[k] = torch.from_numpy(v[0]).view(v[1])
+            else:
+                out[k] = torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+    return out
+
+
+def received_weights(refs: list) -> dict:
+    """The state_dict a rollout engine loads: from Ray's object store (refs = [ObjectRef]) or given in process."""
+    import ray
+
+    return from_wire(refs[0] if isinstance(refs[0], dict) else ray.get(refs[0]))
+
+
 def peak_memory_gb() -> float:
     """This process's peak memory: the GPU allocator's on CUDA, else the peak resident set size."""
     if torch.cuda.is_available():
@@ -223,22 +263,29 @@ class Learner:
         return out
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def _full_state_dict(self) -> dict:
-        module = self.engine.module
-        if self.hp["zero_stage"] == 3:
-            import deepspeed
+    def _gathered(self):
+        """A context in which module.state_dict() holds every full parameter (all ranks gather under ZeRO-3)."""
+        from contextlib import nullcontext
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        if self.hp["zero_stage"] != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+
+    def _full_state_dict(self) -> dict:
+        """A CPU copy of the full state_dict."""
+        with self._gathered():
+            return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
 
     def publish_weights(self) -> list:
-        """The full state_dict in Ray's object store (every rank gathers; rank 0 publishes). Returns [ref]
-        (wrapped, so the caller receives the reference, not the tensors)."""
+        """The full state_dict in Ray's object store, as numpy arrays (`to_wire`: one copy, into shared memory;
+        every rank gathers, rank 0 publishes). Returns [ref] (wrapped, so the caller receives the reference,
+        not the arrays)."""
         import ray
 
-        sd = self._full_state_dict()
-        return [ray.put(sd)] if self.rank == 0 else []
+        with self._gathered():
+            return [ray.put(to_wire(self.engine.module.state_dict()))] if self.rank == 0 else []
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         self.engine.save_checkpoint(root, tag=tag)
@@ -345,10 +392,7 @@ class HFRollout:
 
     def load_weights(self, refs: list) -> int:
         """Replace the weights in place from a state_dict in Ray's object store (refs = [ObjectRef])."""
-        import ray
-
-        sd = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
-        self.model.load_state_dict(sd, strict=True)
+        self.model.load_state_dict(received_weights(refs), strict=True)
         self.updates += 1
         return self.updates
 
@@ -396,9 +440,7 @@ class VLLMRollout:
         return peak_memory_gb()
 
     def load_weights(self, refs: list) -> int:
-        import ray
-
-        sd = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
+        sd = received_weights(refs)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items())),
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()

@@ -215,3 +215,28 @@ def test_zero3_loads_the_model_into_partitions(tiny, learner_env, who):
     whole = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir))
     assert not any(hasattr(p, "ds_id") for p in whole.parameters()) and whole.num_parameters() > 0
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_travel_as_numpy_and_load_bit_exact(tiny, dtype):
+    """The weight sync's wire format (numpy arrays: zero-copy out of Ray's object store; bf16 as int16) goes
+    through Ray's own serializer and loads into an HF rollout engine bit for bit."""
+    import pickle
+
+    import numpy as np
+    from ray import cloudpickle
+
+    from rlhf_core.ppo.roles import from_wire, to_wire
+
+    src = HFRollout(str(tiny.policy_dir), bf16=dtype == torch.bfloat16)
+    with torch.no_grad():
+        for p in src.model.parameters():
+            p.add_(torch.randn_like(p))
+    sd = src.model.state_dict()
+    wire = to_wire(sd)
+    assert all(isinstance(v if dtype == torch.float32 else v[0], np.ndarray) for v in wire.values())
+    back = cloudpickle.loads(cloudpickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
+    assert all(torch.equal(from_wire(back)[k], sd[k]) and from_wire(back)[k].dtype == dtype for k in sd)
+    dst = HFRollout(str(tiny.policy_dir), bf16=dtype == torch.bfloat16)
+    assert dst.load_weights([back]) == 1
+    assert all(torch.equal(dst.model.state_dict()[k], sd[k]) for k in sd)
