@@ -27,7 +27,7 @@ import time
 import torch
 
 from rlhf_core import logprobs, losses, rl_math
-from rlhf_core.train import adamw
+from rlhf_core.train import adamw, no_lone_allreduce
 
 
 def device() -> torch.device:
@@ -54,8 +54,9 @@ _NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torc
 
 def to_wire(sd: dict) -> dict:
     """A state_dict for Ray's object store, as numpy arrays: `ray.put` copies each once into shared memory and
-    `ray.get` maps it without a copy. Torch tensors would be pickled and copied at both ends (measured here on a
-    57M-parameter fp32 model: put + get 0.7-2.3 s as tensors, 0.04-0.2 s as numpy arrays)."""
+    `ray.get` maps it without a copy. Torch tensors would be pickled and copied at both ends: the stage's weight
+    sync at a 57M-parameter fp32 policy took 1.22 s per step as tensors, 0.10 s as arrays
+    (benchmarks/ppo_step.py --size 57m, benchmarks/RESULTS.md)."""
     out = {}
     for k, v in sd.items():
         v = v.detach().cpu()
@@ -162,7 +163,7 @@ class Learner:
             return hp["min_lr_ratio"] + (1 - hp["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * prog))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)
+        self.engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)[0])
         self.module, self.device = self.engine.module, self.engine.device
         return self.rank
 

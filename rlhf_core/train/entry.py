@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import losses
-from rlhf_core.train import adamw, checkpoints
+from rlhf_core.train import adamw, checkpoints, no_lone_allreduce
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
@@ -295,7 +295,7 @@ def main(spec_ref: str) -> None:
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
+    engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)[0])
     pad_id = spec["pad_id"]
     if hasattr(method, "setup"):  # e.g. a frozen teacher the method's step forwards
         spec = {**spec, **method.setup(engine, spec)}

@@ -240,3 +240,17 @@ def test_weights_travel_as_numpy_and_load_bit_exact(tiny, dtype):
     dst = HFRollout(str(tiny.policy_dir), bf16=dtype == torch.bfloat16)
     assert dst.load_weights([back]) == 1
     assert all(torch.equal(dst.model.state_dict()[k], sd[k]) for k in sd)
+
+
+def test_one_rank_without_zero_skips_the_gradient_allreduce_and_still_trains(tiny, learner_env):
+    """DeepSpeed would flatten every gradient into a new buffer to all-reduce it with itself at each step; the
+    learner (and the training stages' engine) turn that off for one rank without ZeRO, and the step still
+    updates every weight matrix."""
+    learner = make_learner("policy", tiny.policy_dir, settings())
+    assert learner.engine.enable_backward_allreduce is False
+    before = learner._full_state_dict()
+    metrics = learner.train(experience(tiny.policy_dir), 0.0)
+    after = learner._full_state_dict()
+    assert learner.engine.global_steps == 1 and metrics["policy_loss"] == metrics["policy_loss"]
+    matrices = [k for k in before if before[k].dim() == 2]
+    assert all(not torch.equal(before[k], after[k]) for k in matrices)
