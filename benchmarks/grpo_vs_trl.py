@@ -11,7 +11,8 @@ ours rollout_batch_size=P, n_samples_per_prompt=G, train_batch_size=P*G; TRL per
 gradient_accumulation_steps = P*G (steps_per_generation = gradient_accumulation_steps), num_generations=G,
 beta 0 (no reference on either side), HF generate on both (TRL's use_vllm=False; ours rollout_backend=hf).
 Reported: wall seconds per step (median after the first), samples/s, our split into rollout / reward /
-reference / train / weight-sync seconds, and each side's start-up apart.
+reference / train / weight-sync seconds, TRL's rollout (generate + score, timed around its
+_generate_and_score_completions) and the rest of its step, and each side's start-up apart.
 """
 from __future__ import annotations
 
@@ -49,7 +50,16 @@ def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, ch
     def gold(prompts, completions, **_):
         return [demo_task.gold_reward(c) for c in completions]
 
-    stamps = []
+    stamps, gen = [], []
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+
+    def timed(self, *a, **k):  # TRL's rollout: generation + reward + advantages of one batch, timed
+        t = time.perf_counter()
+        out = generate_and_score(self, *a, **k)
+        gen.append(time.perf_counter() - t)
+        return out
+
+    GRPOTrainer._generate_and_score_completions = timed
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -68,7 +78,8 @@ def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, ch
     tr.train()
     wall = time.perf_counter() - t0
     per = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
-    print("TRL_RESULT " + json.dumps({"steps": len(per), "step_s": per, "train_wall_s": wall}), flush=True)
+    print("TRL_RESULT " + json.dumps({"steps": len(per), "step_s": per, "rollout_s": gen, "train_wall_s": wall}),
+          flush=True)
 
 
 def main(trl_python: str, steps: int, size: str) -> None:
@@ -106,7 +117,10 @@ def main(trl_python: str, steps: int, size: str) -> None:
                 raise SystemExit(f"TRL part failed ({res.returncode}):\n{res.stderr[-3000:]}")
             trl = json.loads(line[len("TRL_RESULT "):])
             t = statistics.median(trl["step_s"][1:])
-            out[name] = {"step_s": round(t, 4), "samples_per_s": round(P * G / t, 1), "steps": trl["steps"]}
+            # TRL's rollout (its _generate_and_score_completions) and the rest of its step, beside our split
+            r = statistics.median(trl["rollout_s"][1:])
+            out[name] = {"step_s": round(t, 4), "samples_per_s": round(P * G / t, 1), "steps": trl["steps"],
+                         "rollout_s": round(r, 4), "rest_s": round(t - r, 4)}
             out[f"speedup_vs_{name}"] = round(t / ours, 3)
             print(name, json.dumps(out[name]), flush=True)
     out["load_at_end"] = os.getloadavg()[0]
