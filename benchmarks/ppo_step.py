@@ -26,7 +26,8 @@ SETTINGS = dict(n_samples_per_prompt=4, rollout_batch_size=16, train_batch_size=
 SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=2048)}
 
 
-def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: int) -> list[float]:
+def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: int) -> tuple[list[float], dict]:
+    """Seconds per step, and per step the split: rollout (generate + reward), train, weight sync."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,7 +41,7 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=s["actor_learning_rate"], betas=(0.9, 0.95))
     R, n, mb = s["rollout_batch_size"], s["n_samples_per_prompt"], s["micro_train_batch_size"]
-    times = []
+    times, split = [], {"rollout_s": [], "train_s": [], "weight_sync_s": []}
     for step in range(steps):
         t0 = time.perf_counter()
         idx = list(range((step * R) % len(prompt_ids), (step * R) % len(prompt_ids) + R))
@@ -49,6 +50,7 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
         b = collate([prompt_ids[i] for i in idx for _ in range(n)], resp, pad_id)
         scores = torch.tensor([demo_task.gold_reward(tok.decode(r, skip_special_tokens=True)) for r in resp])
         adv, _ = rl_math.advantages_and_returns("group_norm", scores, b["mask"], n, torch.zeros_like(b["mask"]), 0.0)
+        t1 = time.perf_counter()
         model.train()
         for k in range(0, len(resp), mb):  # one optimizer step per rollout: the forward's own log-probs are the
             sl = slice(k, k + mb)           # old policy's (no separate pass for them)
@@ -60,9 +62,13 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
+        t2 = time.perf_counter()
         rollout.load_weights([{k: v.detach().clone() for k, v in model.state_dict().items()}])
-        times.append(time.perf_counter() - t0)
-    return times
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        for k, v in zip(split, (t1 - t0, t2 - t1, t3 - t2)):
+            split[k].append(v)
+    return times, split
 
 
 def main(steps: int, size: str) -> None:
@@ -78,7 +84,7 @@ def main(steps: int, size: str) -> None:
         prompts.write_text("\n".join(json.dumps(r) for r in rows))
         tok = AutoTokenizer.from_pretrained(str(policy))
         ids = [tok(demo_task.INPUT_TEMPLATE.format(r["input"]), add_special_tokens=False).input_ids for r in rows]
-        bare = bare_loop(str(policy), ids, tok.pad_token_id, steps)
+        bare, bare_split = bare_loop(str(policy), ids, tok.pad_token_id, steps)
         import resource
 
         bare_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # GB: this process ran the bare loop
@@ -96,6 +102,7 @@ def main(steps: int, size: str) -> None:
              for k in ("rollout_s", "reward_s", "reference_s", "old_logp_s", "train_s", "weight_sync_s")}
     print(json.dumps({"steps": steps, "size": size, "settings": SETTINGS, "bare_step_s": round(b, 4), "stage_step_s": round(s, 4),
                       "stage_over_bare": round(s / b, 3), "stage_split_s": split,
+                      "bare_split_s": {k: round(statistics.median(v[1:]), 4) for k, v in bare_split.items()},
                       "stage_startup_and_commit_s": round(wall - sum(stage), 2),
                       "peak_rss_gb": {"bare_loop_process": round(bare_rss, 3),
                                       **{k: round(max(h[k] for h in log), 3) for k in
