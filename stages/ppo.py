@@ -137,6 +137,9 @@ class Config(StageConfig):
     deepspeed_enable_sleep: bool = Field(False, description="Not supported: refused (see the validator).")
     # runtime: placement and bookkeeping, left out of the fingerprint
     vllm_num_engines: int = Field(1, ge=1, description="Rollout engines (Ray actors).")
+    vllm_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="vllm on CUDA: the fraction of its "
+                                               "GPU an engine takes (--vllm_gpu_memory_utilization, OpenRLHF's "
+                                               "default 0.95); lower it when roles share a GPU (colocate_all_models).")
     actor_num_nodes: int = Field(1, ge=1)
     actor_num_gpus_per_node: int = Field(1, ge=1, description="Policy ranks per node (CPU processes without a GPU).")
     critic_num_nodes: int = Field(1, ge=1)
@@ -149,7 +152,7 @@ class Config(StageConfig):
     debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a run).")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
-        "vllm_num_engines", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
+        "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
         "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep"}
 

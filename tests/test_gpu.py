@@ -4,7 +4,10 @@
                                                                   requirements/gpu-constraints.txt)
 
 bf16 sft and dpo through DeepSpeed, the reference pass as a bf16 job on the GPU (implied margin 0 at step 0),
-vLLM's CUDA engine generating from a plain folder and stopping on an EOS list, and QLoRA (NF4 base + LoRA).
+vLLM's CUDA engine generating from a plain folder and stopping on an EOS list, QLoRA (NF4 base + LoRA), and
+the whole ppo stage on one GPU (issue 22's layer b: Ray, DeepSpeed learner, reference, reward model and a vLLM
+CUDA engine colocated, bf16, tempered log-probs). The ppo roles without Ray or vLLM (layer a):
+tests/rlhf_core/test_gpu_roles.py.
 Models are the zoo's tiny Llama-3 / Qwen2 folders, so each test takes seconds on one GPU.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core import data, demo_task, store
-from stages import dpo, generate, reference, sft
+from stages import dpo, generate, ppo, reference, sft
 
 pytestmark = pytest.mark.gpu
 FAST = dict(learning_rate=1e-3, train_batch_size=16, micro_train_batch_size=16, max_len=64, lr_warmup_ratio=0.0,
@@ -81,3 +84,25 @@ def test_qlora_trains_adapters_on_a_4bit_base(zoo, tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(str(out))
     assert not any("4bit" in type(p).__name__.lower() for p in merged.parameters())
+
+
+@pytest.mark.vllm
+def test_ppo_stage_on_one_gpu_with_vllm_in_bf16(zoo, tmp_path):
+    """GRPO with a k3 KL loss against the reference and the zoo's reward model, every role colocated on the one
+    GPU (colocate_all_models, vLLM at 30% of it), bf16, sampling at T 0.6: two steps commit; the learners ran on
+    the GPU (their peak memory is the CUDA allocator's) and the engine's tempered log-probs match the trainer's
+    to bf16 precision."""
+    prompts = _jsonl(tmp_path / "prompts.jsonl", demo_task.prompts(16))
+    policy = str(zoo["qwen2"].policy)
+    cfg = ppo.Config(policy_uri=policy, prompts_uri=prompts, output_uri=str(tmp_path / "ppo"),
+                     reward_model_uri=str(zoo["qwen2"].reward), input_template=demo_task.INPUT_TEMPLATE,
+                     advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8,
+                     train_batch_size=32, micro_train_batch_size=8, generate_max_len=16, temperature=0.6,
+                     actor_learning_rate=1e-4, init_kl_coef=0.01, use_kl_loss=True, bf16=True, zero_stage=2,
+                     rollout_backend="vllm", colocate_all_models=True, vllm_gpu_memory_utilization=0.3)
+    m = ppo.run(cfg)
+    log = json.loads((tmp_path / "ppo" / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 2 and len(log) == 2
+    assert all(h["policy_peak_mem_gb"] > 0 and h["rollout_tokens_per_s"] > 0 and h["entropy"] > 0 for h in log)
+    assert log[0]["rollout_logprob_gap"] < 0.05  # vLLM bf16 kernels vs the trainer's bf16 forward, same weights
+    assert _changed(zoo["qwen2"].policy, tmp_path / "ppo")

@@ -140,7 +140,8 @@ class Roles:
         self.critic = [place(Learner, "critic", r, cworld, gpus=gpu) for r in range(cworld)] if critic_dir else []
         self.reference = place(Reference, ref_dir, hp, gpus=gpu) if ref_dir else None
         self.reward = place(RMEngine, reward_model_dir, reward_spec, gpus=gpu) if reward_model_dir else None
-        engine = (VLLMRollout, (policy_dir, max_model_len, hp["bf16"])) if cfg.rollout_backend == "vllm" \
+        engine = (VLLMRollout, (policy_dir, max_model_len, hp["bf16"], cfg.vllm_gpu_memory_utilization)) \
+            if cfg.rollout_backend == "vllm" \
             else (HFRollout, (policy_dir, hp["bf16"]))
         self.rollouts = [place(engine[0], *engine[1], gpus=gpu) for _ in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *[a for a in (self.reference, self.reward) if a], *self.rollouts]

