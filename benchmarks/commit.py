@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.artifact_io import start_moto  # noqa: E402
-from rlhf_core import store  # noqa: E402
+from rlhf_core import model_inputs, store, versions  # noqa: E402
 
 
 def make_folder(d: Path, mb: int, shards: int) -> None:
@@ -42,7 +42,7 @@ def project(folder: Path, uri: str, cache: Path, version: int) -> tuple[float, f
     store.commit_model_dir(folder, uri, "bench", {"version": version})
     t1 = time.perf_counter()
     os.environ["RLHF_FLOWS_CACHE"] = str(cache / uuid.uuid4().hex[:6])
-    local = store.fetch_model(uri)
+    local = model_inputs.fetch_model(uri)
     t2 = time.perf_counter()
     assert (local / "config.json").exists()
     return t1 - t0, t2 - t1
@@ -80,7 +80,7 @@ def main() -> None:
                 rows["store: first commit + fetch"].append(project(tmp / "model", f"{base}/art", tmp / "cache", 1))
                 rows["store: changed config (keeps previous version) + fetch"].append(
                     project(tmp / "model", f"{base}/art", tmp / "cache", 2))
-                assert len(store.versions(f"{base}/art")) == 1
+                assert len(versions.versions(f"{base}/art")) == 1
                 shutil.rmtree(tmp / "got", ignore_errors=True)
                 shutil.rmtree(tmp / "cache", ignore_errors=True)
                 store.filesystem(base)[0].rm(store.filesystem(base)[1], recursive=True)

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flows import table
-from rlhf_core import store
+from rlhf_core import store, versions
 
 FLOWS = {name: spec.module for name, spec in table.FLOWS.items()}  # flows/table.py
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -96,7 +96,7 @@ def cmd_run(flow: str, config: str | None, overrides: list[str], debug: bool = F
 def format_report(rep: dict) -> str:
     """The per-iteration table the loop flows also publish as a Prefect table artifact."""
     rows = rep.get("iterations", [])
-    from flows.runtime import columns
+    from flows.report import columns
 
     cols = [c for c in columns(rows) if not c.endswith(("_steps", "_accuracy"))]
     fmt = lambda v: "" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
@@ -121,7 +121,7 @@ def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------- show
 def _lineage(uri: str, depth: int, seen: set, out: list[str], fp: str | None = None) -> None:
     try:
-        m = store.read_version(uri, fp) if fp else store.read_manifest(uri)
+        m = versions.read_version(uri, fp) if fp else store.read_manifest(uri)
     except (store.ArtifactError, FileNotFoundError, OSError) as e:
         out.append("  " * depth + f"{uri}  [not readable: {e}]")
         return
@@ -147,7 +147,7 @@ def show(uri: str) -> str:
                 f"created    {m.created_at}", f"finished   {m.finished_at}  on {m.host}",
                 f"rows       {m.rows}", f"files      {len(m.files)} ({sum(f['size'] for f in m.files)} bytes)",
                 f"metrics    {json.dumps(m.metrics, default=str)}"]
-        out += [f"version    {v.fingerprint} {v.uri} ({v.finished_at})" for v in store.versions(uri)]
+        out += [f"version    {v.fingerprint} {v.uri} ({v.finished_at})" for v in versions.versions(uri)]
         out.append("lineage:")
         _lineage(uri, 1, set(), out)
         return "\n".join(out)
@@ -174,7 +174,7 @@ def show(uri: str) -> str:
         m = store.read_manifest(full)
         out.append(f"  {full[len(uri) + 1:]:<32} {m.stage:<10} {m.fingerprint}  <- "
                    + ", ".join(i["uri"][len(uri) + 1:] if i["uri"].startswith(uri) else i["uri"] for i in m.inputs)
-                   + "".join(f"\n  {'':<32} previous {v.fingerprint}" for v in store.versions(full)))
+                   + "".join(f"\n  {'':<32} previous {v.fingerprint}" for v in versions.versions(full)))
     return "\n".join(out)
 
 
@@ -183,7 +183,7 @@ def gc(uri: str, keep: int) -> str:
     fs, path = store.filesystem(uri.rstrip("/"))
     arts = [uri.rstrip("/") + p[len(path):-len(store.MANIFEST) - 1] for p in sorted(fs.find(path))
             if p.endswith("/" + store.MANIFEST) and f"/{store.VERSIONS}/" not in p]
-    removed = [r for a in arts for r in store.prune_versions(a, keep)]
+    removed = [r for a in arts for r in versions.prune_versions(a, keep)]
     return "\n".join([f"removed {r}" for r in removed] + [f"{len(removed)} versions removed, {len(arts)} artifacts kept "
                                                           f"their {keep} newest"])
 
@@ -270,6 +270,29 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.overrides = [*a.overrides, *extra]
     return a
 
+def api_server_dies_with_us() -> None:
+    """Prefect's ephemeral API server (uvicorn, ~200 MB) is a plain child of the process that started it: a
+    SIGKILLed CLI (an OOM kill, a supervisor) left it alive holding its port. Start it with PR_SET_PDEATHSIG,
+    as training jobs are, by giving Prefect's server module a Popen that sets it."""
+    import subprocess
+    import types
+
+    from prefect.server.api import server
+
+    from rlhf_core.jobs import _die_with_parent
+
+    if getattr(server.subprocess, "dies_with_parent", False):
+        return
+
+    class Popen(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("preexec_fn", _die_with_parent)
+            super().__init__(*args, **kwargs)
+
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(vars(subprocess), Popen=Popen, dies_with_parent=True)
+    server.subprocess = shim
+
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
@@ -277,8 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's local API migrates a fresh database on its first start: 20 s (its default limit) is too
     # tight on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from flows.runtime import api_server_dies_with_us
-
     api_server_dies_with_us()  # kill -9 of this process alone must not leave Prefect's server behind
     try:
         if a.cmd == "demo":

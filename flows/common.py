@@ -1,6 +1,7 @@
 """What the loop flows share: their parameters, up-front validation, the inputs before iteration 1 (demo
 inputs, prompt sets, SFT warm-up, reward model), the rollout (generate + score), evaluation and the
-iteration loop with its stop conditions. The run lock and report live in flows/runtime.py.
+iteration loop with its stop conditions. How a stage is called: flows/calls.py; the run lock: flows/lock.py;
+the report: flows/report.py.
 
 Resume does not depend on Prefect's database: every stage writes a committed manifest under
 `{root}/{run_name}/...`, and a rerun with the same run_name skips each stage whose manifest matches its
@@ -12,23 +13,14 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flows import table
-from flows.runtime import Report, call, run_lock, use_credentials  # noqa: F401  (the flows use them through this module)
+from flows.calls import call, stage, stage_config
+from flows.credentials import use_credentials
+from flows.report import Report
 from rlhf_core import store
 from stages.common import ConfigError
-
-
-def stage_config(module, base: dict, **fields):
-    """module.Config from a flow's per-stage dict plus the URIs the flow wires in."""
-    try:
-        return module.Config(**{**base, **fields})
-    except ValidationError as e:
-        name = module.__name__.rsplit(".", 1)[-1]
-        lines = [f"  {name}.{'.'.join(map(str, err['loc']))}: "
-                 + ("unknown field (typo?)" if err["type"] == "extra_forbidden" else err["msg"]) for err in e.errors()]
-        raise ConfigError(f"invalid flow config for stage {name}:\n" + "\n".join(lines)) from None
 
 
 # ---------------------------------------------------------------------------------------------- demo inputs
@@ -110,12 +102,6 @@ class LoopParams(BaseModel):
     eval: dict = Field(default_factory=dict, description="Evaluation settings.")
 
 
-def _stage(name: str):
-    import importlib
-
-    return importlib.import_module(f"stages.{name}")
-
-
 def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
     """Before any work: credentials are in the environment, the store answers and every stage config is valid."""
     if p.credentials_block:
@@ -142,7 +128,7 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
         if p.score.get(k) and not p.reward_uri:
             raise ConfigError(f"{flow_name}: score.{k} applies to a process reward model given as reward_uri")
     own = [(module, base) for module, base in (checks or {}).items()]
-    for module, base in [(_stage(n), {**table.FIXED.get(n, {}), **getattr(p, n)}) for n in table.SHARED] + own:
+    for module, base in [(stage(n), {**table.FIXED.get(n, {}), **getattr(p, n)}) for n in table.SHARED] + own:
         name = module.__name__.rsplit(".", 1)[-1]
         stage_config(module, base, **{f: "placeholder://" for f, info in module.Config.model_fields.items()
                                       if (info.is_required() or f in table.WIRED.get(name, ())) and f not in base})
@@ -174,7 +160,7 @@ def prepare_inputs(p: LoopParams, run: dict):
     report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
                     tracking={"tensorboard": p.use_tensorboard, "wandb": p.use_wandb, "project": p.wandb_project})
 
-    prepare = _stage("prepare")
+    prepare = stage("prepare")
     prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.train_split}, data=prompt_data,
                                               tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
     if run["flow"] != "ppo":  # ppo passes over all prompts each iteration; the others slice them
@@ -185,7 +171,7 @@ def prepare_inputs(p: LoopParams, run: dict):
                                                        tokenizer_uri=_tok(p, policy), output_uri=at("eval_prompts"),
                                                        storage_options=so))["uri"]
     if sft_data:
-        sft = _stage("sft")
+        sft = stage("sft")
         policy = call(sft.task, stage_config(sft, p.sft, policy_uri=policy, dataset_uri=sft_data, output_uri=at("sft"),
                                              storage_options=so))["uri"]
         report.links["sft"] = policy
@@ -193,7 +179,7 @@ def prepare_inputs(p: LoopParams, run: dict):
         reward = ({"reward_model_uri": p.reward_uri} if p.reward_uri else {"remote_rm_url": p.reward_url} if p.reward_url
                   else {"reward_func_path": p.reward_func_file})
     else:
-        rm = _stage("train_rm")
+        rm = stage("train_rm")
         base = p.reward_base_uri or d.get("reward_base") or p.pretrain_uri
         reward = {"reward_model_uri": call(rm.task, stage_config(rm, p.train_rm, base_uri=base, dataset_uri=pref_data,
                                                                  output_uri=at("reward_model"), storage_options=so))["uri"]}
@@ -219,7 +205,7 @@ def _demo_gold() -> str:
 
 def _check_slices(p: LoopParams, n_prompts: int) -> None:
     """OpenRLHF slices prompts by iteration: [k*R, (k+1)*R). Refuse a run whose last slice is past the end."""
-    r = p.generate.get("rollout_batch_size", _stage("generate").Config.model_fields["rollout_batch_size"].default)
+    r = p.generate.get("rollout_batch_size", stage("generate").Config.model_fields["rollout_batch_size"].default)
     if p.iterations * r > n_prompts:
         raise ConfigError(f"iterations x generate.rollout_batch_size = {p.iterations} x {r} = {p.iterations * r} "
                           f"prompts, but the prompt set has {n_prompts}: iteration {n_prompts // r + 1} would be "
@@ -262,7 +248,7 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
             row[f"{name}_steps"] = tm.get("steps_done")
     ec = report.eval_cfg
     if ec.get("prompts_uri") and (ec.get("reward_model_uri") or ec.get("remote_rm_url") or ec.get("gold_reward_file")):
-        ev = _stage("eval")
+        ev = stage("eval")
         em = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),
                                         storage_options=p.storage_options, **report.eval_cfg))
         row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward", "kl")})
@@ -295,7 +281,7 @@ def iterations(p: LoopParams, report: Report):
 def rollout(p: LoopParams, k: int, policy: str, prompts: str, reward: dict, **generate) -> tuple[dict, dict]:
     """Iteration k's samples from `policy` on prompt slice k-1 (OpenRLHF's --iter), and their scores.
     `generate`: settings of this iteration's generate stage over p.generate's."""
-    gen, score = _stage("generate"), _stage("score")
+    gen, score = stage("generate"), stage("score")
     at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
     samples = call(gen.task, stage_config(gen, {**p.generate, **generate}, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
                                                output_uri=at("generate"), storage_options=p.storage_options))

@@ -17,7 +17,8 @@ from prefect import flow
 from pydantic import Field, model_validator
 
 from flows import common
-from flows.common import call, stage_config
+from flows.calls import call, stage_config
+from flows.lock import run_lock
 from rlhf_core import postprocess, store
 from stages import filter as filter_stage, sft
 
@@ -52,7 +53,7 @@ def checks(p: Params) -> dict:
 def conditional_sft(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "conditional-sft", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
+    with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         # Evaluate under the condition the policy learnt to follow: the high target reward.
         template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)

@@ -25,7 +25,8 @@ from prefect import flow
 from pydantic import Field
 
 from flows import common
-from flows.common import call, stage_config
+from flows.calls import call, stage_config
+from flows.lock import run_lock
 from rlhf_core import store
 from stages import dpo, filter as filter_stage, kto, reference
 from stages.common import ConfigError
@@ -62,7 +63,7 @@ def checks(p: Params) -> dict:
 def iterative_dpo(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "iterative-dpo", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
+    with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         ref = policy
         for k in common.iterations(p, report):

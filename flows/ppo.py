@@ -21,7 +21,8 @@ from prefect import flow
 from pydantic import Field
 
 from flows import common
-from flows.common import call, stage_config
+from flows.calls import call, stage_config
+from flows.lock import run_lock
 from rlhf_core import store
 from stages import ppo as ppo_stage
 from stages.common import ConfigError
@@ -56,7 +57,7 @@ def iteration_settings(p: Params, k: int) -> dict:
 def ppo(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "ppo", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
+    with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         for k in common.iterations(p, report):
             trained = call(ppo_stage.task, stage_config(ppo_stage, iteration_settings(p, k), policy_uri=policy,

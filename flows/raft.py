@@ -19,7 +19,8 @@ from prefect import flow
 from pydantic import Field
 
 from flows import common
-from flows.common import call, stage_config
+from flows.calls import call, stage_config
+from flows.lock import run_lock
 from rlhf_core import store
 from stages import filter as filter_stage, kd, sft
 from stages.common import ConfigError
@@ -47,7 +48,7 @@ def checks(p: Params) -> dict:
 def raft(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "raft", checks(p))
-    with common.run_lock(p.root, p.run_name, p.lock_lease_s, so):
+    with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731

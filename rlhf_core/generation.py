@@ -66,9 +66,9 @@ def _local_model(model: str, storage_options: dict) -> str:
     """A local folder for `model` (a folder, a committed artifact or a plain HF folder on any URI)."""
     if Path(str(model)).is_dir():
         return str(model)
-    from rlhf_core import store
+    from rlhf_core import model_inputs
 
-    return str(store.fetch_model(str(model), storage_options))
+    return str(model_inputs.fetch_model(str(model), storage_options))
 
 
 def _cuda() -> bool:
@@ -297,7 +297,7 @@ def generate(model: str, prompt_ids: list[list[int]], params: SamplingSpec, back
 
 def model_input(uri: str, storage_options: dict | None = None):
     """(local folder, lineage manifest) for a model given as a committed artifact or a plain HF folder on any URI."""
-    from rlhf_core import store
+    from rlhf_core import model_inputs
 
-    m = store.model_manifest(uri, storage_options)
-    return store.fetch_model(uri, storage_options, manifest=m), m
+    m = model_inputs.model_manifest(uri, storage_options)
+    return model_inputs.fetch_model(uri, storage_options, manifest=m), m

@@ -17,8 +17,14 @@ import fnmatch
 import json
 from pathlib import Path
 
-from rlhf_core import store
-from rlhf_core.store import ModelInputError
+from rlhf_core.store import ArtifactError
+
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class ModelInputError(ArtifactError):
+    """A model input that cannot be used (a hub id, a folder lacking config, weights or tokenizer)."""
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, where: str | None = None):
@@ -102,7 +108,7 @@ ADAPTER_DIR = "adapter"  # where training saves a LoRA adapter inside a model ar
 
 def adapter_only(files: list[str]) -> bool:
     """An artifact trained with LoRA and `lora_merge=false`: adapter/ holds the adapter, the root no weights."""
-    root_weights = any("/" not in f and any(fnmatch.fnmatch(f, pat) for pat in store.WEIGHTS) for f in files)
+    root_weights = any("/" not in f and any(fnmatch.fnmatch(f, pat) for pat in WEIGHTS) for f in files)
     return f"{ADAPTER_DIR}/adapter_config.json" in files and not root_weights
 
 
@@ -129,8 +135,8 @@ def merge_adapter(base_dir: str | Path, artifact_dir: str | Path, out_dir: str |
     if is_rm and rm_stats and rm_stats.get("reward_mean") is not None and rm_stats.get("reward_std") is not None:
         model.config.reward_mean, model.config.reward_std = rm_stats["reward_mean"], rm_stats["reward_std"]
     model.to(torch.bfloat16 if bf16 else torch.float32).save_pretrained(str(out_dir), safe_serialization=True)
-    own = [p for p in artifact_dir.iterdir() if p.is_file() and p.name in store.TOKENIZER_FILES + TOKENIZER_EXTRA]
-    if any(p.name in store.TOKENIZER_FILES for p in own):
+    own = [p for p in artifact_dir.iterdir() if p.is_file() and p.name in TOKENIZER_FILES + TOKENIZER_EXTRA]
+    if any(p.name in TOKENIZER_FILES for p in own):
         for p in own:
             shutil.copy(p, out_dir / p.name)
     else:

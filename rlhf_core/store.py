@@ -24,15 +24,11 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import errno
-import fnmatch
 import hashlib
 import io
 import json
 import os
-import re
-import shutil
 import socket
-import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +38,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from rlhf_core import locks
+from rlhf_core.locks import LockLost  # noqa: F401  (raised by every write of a process that lost its lock)
 
 MANIFEST = "_MANIFEST.json"
 # Bump when the meaning of a stage's output changes: it changes every fingerprint, so old artifacts rerun.
@@ -64,18 +63,16 @@ class StoreUnreachableError(ArtifactError):
     pass
 
 
-class LockLost(ArtifactError):
-    """This process no longer holds its run lock (the fencing check before a commit): it must stop."""
-
-
 class ForeignFilesError(ArtifactError):
     """The output prefix holds files this project did not write: they are never touched."""
 
 
 JOURNAL = "_WRITING.json"
-TEMPS = (f".{MANIFEST}.tmp-", f".{JOURNAL}.tmp-")  # write_atomic's temp files
+TEMPS = (f".{MANIFEST}.tmp-", f".{JOURNAL}.tmp-", "_LOCK.json.")  # write_atomic's and the lease's temp files
 VERSIONS = "_versions"
-RESERVED = {MANIFEST, JOURNAL, VERSIONS, "checkpoints", "_job"}  # _job: a training job's spec and data
+LOCK = "_LOCK.json"  # an artifact's lease while its versions are archived or pruned (the run lock has this name too)
+LOCK_LEASE_S = 60.0
+RESERVED = {MANIFEST, JOURNAL, VERSIONS, LOCK, "checkpoints", "_job"}  # _job: a training job's spec and data
 
 
 # ---------------------------------------------------------------------------------------------- URIs
@@ -277,54 +274,6 @@ def write_atomic(fs, path: str, text: str) -> None:
         fs.pipe_file(path, data)
 
 
-def read_version(uri: str, fp: str, storage_options: dict | None = None) -> Manifest:
-    """The version of artifact `uri` with fingerprint `fp`: the current one, or one kept under _versions/.
-    This is how a downstream manifest's input (uri, fingerprint) resolves after its input changed."""
-    try:
-        m = read_manifest(uri, storage_options=storage_options)
-        if m.fingerprint == fp:
-            return m
-    except NotCommittedError:
-        pass
-    return read_manifest(join(uri, VERSIONS, fp), storage_options=storage_options)
-
-
-def versions(uri: str, storage_options: dict | None = None) -> list[Manifest]:
-    """Previous committed versions of `uri` kept under _versions/, newest first."""
-    fs, path = filesystem(uri, storage_options)
-    vdir = join(path, VERSIONS)
-    out = []
-    if fs.exists(vdir):
-        for p in fs.ls(vdir, detail=False):
-            name = p.rstrip("/").rsplit("/", 1)[-1]
-            try:
-                out.append(read_manifest(join(uri, VERSIONS, name), storage_options=storage_options))
-            except NotCommittedError:
-                pass
-    return sorted(out, key=lambda m: m.finished_at, reverse=True)
-
-
-def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> list[str]:
-    """Delete all but the `keep` newest versions of artifact `uri` (the current one counts and always stays),
-    and any half-archived version folder. Returns the URIs removed."""
-    if keep < 1:
-        raise ValueError("keep must be >= 1 (the current version always stays)")
-    fs, path = filesystem(uri, storage_options)
-    vdir = join(path, VERSIONS)
-    if not fs.exists(vdir):
-        return []
-    kept = {m.fingerprint for m in versions(uri, storage_options)[: keep - 1]}
-    removed = []
-    for p in fs.ls(vdir, detail=False):
-        name = p.rstrip("/").rsplit("/", 1)[-1]
-        if name not in kept:
-            fs.rm(join(vdir, name), recursive=True)
-            removed.append(join(uri, VERSIONS, name))
-    if not fs.ls(vdir, detail=False):
-        fs.rm(vdir, recursive=True)
-    return removed
-
-
 def _has_files(fs, path: str) -> bool:
     try:
         return bool(fs.exists(path) and fs.ls(path))
@@ -369,31 +318,39 @@ class ArtifactWriter:
 
     def begin(self) -> None:
         """Before writing: refuse a prefix holding files we did not write (naming them); move a committed
-        version with another fingerprint to _versions/{fingerprint}/ (never delete it); un-commit the prefix."""
+        version with another fingerprint to _versions/{fingerprint}/ (never delete it); un-commit the prefix.
+        All under the artifact's lease, which `rlhf-flows gc` takes too: it never prunes a version being archived."""
+        check_fence()
         fs, path = self.fs, self.path
-        old = None
-        if fs.exists(join(path, MANIFEST)):
-            old = read_manifest(self.uri, storage_options=self.storage_options)
         journal = self._read_journal()
-        if fs.exists(path):
-            ours = RESERVED | journal | {f["path"].split("/", 1)[0] for f in (old.files if old else [])}
-            foreign = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
-                             if n not in ours and not n.startswith(TEMPS))
-            if foreign:
-                more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-                raise ForeignFilesError(
-                    f"{self.uri} holds files this project did not write: {', '.join(foreign[:5])}{more}; refusing to "
-                    f"write there (nothing was changed): choose an empty or new output_uri")
-        if old is not None:
-            self._archive(old)
-        self._note({f["path"].split("/", 1)[0] for f in (old.files if old else [])} | journal)
-        if old is not None:
-            fs.rm(join(path, MANIFEST))  # un-committed from here: readers refuse the prefix
-            for top in {f["path"].split("/", 1)[0] for f in old.files}:
-                p = join(path, top)
-                if fs.exists(p):
-                    fs.rm(p, recursive=True)
+        with self.lease():
+            old = None
+            if fs.exists(join(path, MANIFEST)):
+                old = read_manifest(self.uri, storage_options=self.storage_options)
+            if fs.exists(path):
+                ours = RESERVED | journal | {f["path"].split("/", 1)[0] for f in (old.files if old else [])}
+                foreign = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+                                 if n not in ours and not n.startswith(TEMPS))
+                if foreign:
+                    more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+                    raise ForeignFilesError(
+                        f"{self.uri} holds files this project did not write: {', '.join(foreign[:5])}{more}; refusing to "
+                        f"write there (nothing was changed): choose an empty or new output_uri")
+            if old is not None:
+                self._archive(old)
+            self._note({f["path"].split("/", 1)[0] for f in (old.files if old else [])} | journal)
+            if old is not None:
+                check_fence()
+                fs.rm(join(path, MANIFEST))  # un-committed from here: readers refuse the prefix
+                for top in {f["path"].split("/", 1)[0] for f in old.files}:
+                    p = join(path, top)
+                    if fs.exists(p):
+                        fs.rm(p, recursive=True)
         fs.makedirs(path, exist_ok=True)
+
+    def lease(self):
+        """This artifact's lease (`{uri}/_LOCK.json`), waited for while another writer or gc holds it."""
+        return artifact_lease(self.fs, self.path, self.uri, self.storage_options)
 
     def _archive(self, old: Manifest) -> None:
         """Copy the committed version under _versions/{fingerprint}/, its manifest LAST (then it counts)."""
@@ -401,6 +358,7 @@ class ArtifactWriter:
         if fs.exists(join(vpath, MANIFEST)):
             return
         for f in old.files:
+            check_fence()
             src, dst = join(self.path, f["path"]), join(vpath, f["path"])
             if isinstance(fs, LocalFileSystem):
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -421,6 +379,7 @@ class ArtifactWriter:
     def _note(self, names: set[str]) -> None:
         """Record top-level names in the journal BEFORE writing them, so a crashed writer's files read as ours."""
         if not names <= self._journal:
+            check_fence()
             self._journal |= names
             write_atomic(self.fs, join(self.path, JOURNAL), json.dumps({"names": sorted(self._journal)}))
 
@@ -430,6 +389,7 @@ class ArtifactWriter:
 
     def write_table(self, name: str, table: pa.Table, row_group_size: int = 65536) -> str:
         self._note({name.split("/", 1)[0]})
+        check_fence()
         dest = join(self.path, name)
         with _space(self.uri, name), self.fs.open(dest, "wb") as f:
             pq.write_table(table, f, compression="zstd", row_group_size=row_group_size)
@@ -440,6 +400,7 @@ class ArtifactWriter:
 
     def write_json(self, name: str, obj: Any) -> str:
         self._note({name.split("/", 1)[0]})
+        check_fence()
         with _space(self.uri, name), self.fs.open(join(self.path, name), "w") as f:
             f.write(json.dumps(obj, indent=2, sort_keys=True, default=str))
         self._record(name)
@@ -454,6 +415,7 @@ class ArtifactWriter:
                 rel = join(sub, p.relative_to(local_dir).as_posix()).lstrip("/") if sub else p.relative_to(local_dir).as_posix()
                 dest = join(self.path, rel)
                 self.fs.makedirs(self.fs._parent(dest), exist_ok=True)
+                check_fence()
                 with _space(self.uri, rel):
                     self.fs.put_file(str(p), dest)
                 self._record(rel)
@@ -517,174 +479,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLHF_FLOWS_CACHE", Path.home() / ".cache" / "rlhf-flows"))
 
 
-# ---------------------------------------------------------------------------------------------- model inputs
-class ModelInputError(ArtifactError):
-    """A model input that cannot be used (a hub id, a folder lacking config, weights or tokenizer)."""
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def _sha256_file(path: str) -> str:
-    """sha256 of a local file, remembered under the cache by (path, size, mtime) so an 8B folder is hashed
-    once per machine, not once per stage."""
-    st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    memo = cache_root() / "sha256" / key
-    if memo.exists():
-        return memo.read_text()
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(h.hexdigest())
-    return h.hexdigest()
-
-
-def _content_id(fs, name: str, info: dict) -> str:
-    """A content hash of one file: sha256 for local files, the object store's ETag (an MD5 of the content,
-    or of its parts) where there is one, else sha256 of the bytes."""
-    if isinstance(fs, LocalFileSystem):
-        return "sha256:" + _sha256_file(name)
-    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
-    if etag:
-        return f"etag:{str(etag).strip(chr(34))}"
-    h = hashlib.sha256()
-    with fs.open(name, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
-
-
-def model_manifest(uri: str, storage_options: dict | None = None) -> Manifest:
-    """Lineage entry of a model input: its manifest if it is a committed artifact, else a plain Hugging Face
-    folder (what `save_pretrained` writes) on any fsspec URI, checked up front and entered as a `source`
-    whose fingerprint hashes its files' content: a changed folder changes every downstream fingerprint."""
-    uri = str(uri)
-    if committed_any(uri, storage_options):
-        return read_manifest(uri, storage_options=storage_options)
-    if "://" not in uri and _HUB_ID.match(uri) and not Path(uri).exists():
-        raise ModelInputError(f"model {uri!r} looks like a Hugging Face hub id: there is no hub access here; "
-                              f"download it and pass the folder (a local path or s3://...)")
-    fs, path = filesystem(uri, storage_options)
-    if not fs.isdir(path):
-        raise ModelInputError(f"model {uri} is neither a committed artifact nor a folder (it does not exist)")
-    root = path.rstrip("/")
-    infos = {n[len(root) + 1:]: i for n, i in fs.find(root, detail=True).items()
-             if not any(part.startswith(".") for part in n[len(root) + 1:].split("/"))}  # skip .cache/ and the like
-    names = set(infos)
-    missing = []
-    if "config.json" not in names:
-        missing.append("config.json")
-    if not any(fnmatch.fnmatch(n, pat) for n in names for pat in WEIGHTS):
-        missing.append("weights (*.safetensors or pytorch_model*.bin)")
-    if not names & set(TOKENIZER_FILES):
-        missing.append(f"a tokenizer ({', '.join(TOKENIZER_FILES)})")
-    if missing:
-        raise ModelInputError(f"model folder {uri} lacks {' and '.join(missing)}: pass a folder written by "
-                              f"save_pretrained (model and tokenizer)")
-    content = [[rel, infos[rel].get("size"), _content_id(fs, join(root, rel), infos[rel])] for rel in sorted(infos)]
-    return Manifest(stage="source", fingerprint=fingerprint("model-folder", {"files": content}), uri=uri,
-                    files=[{"path": rel, "size": size} for rel, size, _ in content], config={"content": content})
-
-
-def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tuple[str, ...] | None = None,
-                manifest: Manifest | None = None, merge: bool = True) -> Path:
-    """A local directory holding the model at `uri` (a committed artifact or a plain HF folder), downloaded
-    once per machine into a cache keyed by content: a plain folder's content hash, or a committed
-    artifact's fingerprint + created_at + file list (a rewritten artifact gets a new entry). Local inputs are
-    used in place. This is where every stage gets its models, so an adapter-only artifact (LoRA trained
-    with `lora_merge=false`) is merged here into the base its lineage names (`merge=False`: its raw files)."""
-    m = manifest or model_manifest(uri, storage_options)
-    stages = (stage,) if isinstance(stage, str) else stage
-    if stages and m.stage != "source" and m.stage not in stages:
-        raise StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")
-    local = _fetch_files(uri, m, storage_options)
-    from rlhf_core import models
-
-    if merge and m.stage != "source" and models.adapter_only([f["path"] for f in m.files]):
-        return _merged_model(uri, local, m, storage_options)
-    return local
-
-
-def _fetch_files(uri: str, m: Manifest, storage_options: dict | None) -> Path:
-    fs, path = filesystem(uri, storage_options)
-    if isinstance(fs, LocalFileSystem):
-        return Path(path)
-    key = m.fingerprint if m.stage == "source" else hashlib.sha256(json.dumps(
-        [m.fingerprint, m.created_at, m.files], sort_keys=True).encode()).hexdigest()[:24]
-    dest = cache_root() / "models" / key
-    if (dest / MANIFEST).exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
-    try:
-        for f in m.files:
-            target = tmp / f["path"]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(join(path, f["path"]), str(target))
-        (tmp / MANIFEST).write_text(m.to_json())
-        _publish(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
-def _publish(tmp: Path, dest: Path) -> None:
-    try:
-        tmp.rename(dest)
-    except OSError:  # another process won the race: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def adapter_base(m: Manifest, storage_options: dict | None = None) -> Manifest:
-    """The model an adapter-only artifact was trained from: its lineage's `policy` (sft, dpo) or `base`
-    (train_rm) input, at the version the adapter was trained on (a changed base is kept under _versions/)."""
-    src = next((i for i in m.inputs if i["name"] in ("policy", "base")), None)
-    if src is None:
-        raise ModelInputError(f"{m.uri}: its adapter's lineage names no base model (inputs: "
-                              f"{', '.join(i['name'] for i in m.inputs) or 'none'}): merge it with "
-                              f"`rlhf-flows stage lora_combine model_uri={m.uri} base_uri=... output_uri=...`")
-    if src["stage"] == "source":
-        base = model_manifest(src["uri"], storage_options)
-        if base.fingerprint != src["fingerprint"]:
-            raise ModelInputError(f"{m.uri}: its base model folder {src['uri']} changed since the adapter was trained "
-                                  f"on it: merge it with `rlhf-flows stage lora_combine base_uri=...` naming that base")
-        return base
-    try:
-        return read_version(src["uri"], src["fingerprint"], storage_options)
-    except (NotCommittedError, FileNotFoundError):
-        raise ModelInputError(f"{m.uri}: the base model its adapter was trained on ({src['uri']}, fingerprint "
-                              f"{src['fingerprint']}) is no longer in the store") from None
-
-
-def _merged_model(uri: str, artifact_dir: Path, m: Manifest, storage_options: dict | None) -> Path:
-    """Base + adapter merged once per machine into the cache, keyed by the artifact and its base."""
-    from rlhf_core import models
-
-    base = adapter_base(m, storage_options)
-    key = "merged-" + hashlib.sha256(json.dumps([m.fingerprint, m.created_at, m.files, base.fingerprint],
-                                                sort_keys=True).encode()).hexdigest()[:24]
-    dest = cache_root() / "models" / key
-    if (dest / MANIFEST).exists():
-        return dest
-    base_dir = fetch_model(base.uri, storage_options, manifest=base)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
-    try:
-        models.merge_adapter(base_dir, artifact_dir, tmp, rm_stats=m.metrics)
-        (tmp / MANIFEST).write_text(m.to_json())
-        _publish(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
 def commit_model_dir(local_dir: str | Path, uri: str, stage: str, config: dict, inputs: dict[str, Manifest] | None = None,
                      metrics: dict | None = None, storage_options: dict | None = None) -> Manifest:
     """Upload an HF model folder and commit it (used by the tiny-model builder and training stages)."""
@@ -697,26 +491,48 @@ def commit_model_dir(local_dir: str | Path, uri: str, stage: str, config: dict, 
 
 
 # ---------------------------------------------------------------------------------------------- fencing
-_fences: list = []  # callables raising when this process no longer holds the run lock (flows/runtime.py)
+FENCE_ENV = "RLHF_FLOWS_FENCE"  # the run lock as child processes (training jobs, local Ray workers) check it
+_fences: list = []  # callables raising LockLost when this process no longer holds its run lock (flows/lock.py)
 
 
 @contextlib.contextmanager
-def fence(check) -> Iterator[None]:
-    """While inside, every commit first calls `check()` (the run lock's fencing-token check)."""
+def fence(check, lock_uri: str, token: str, storage_options: dict | None = None) -> Iterator[None]:
+    """While inside, every write under the store first calls `check()` (the run lock's token check); processes
+    started meanwhile inherit the lock's URI and token in RLHF_FLOWS_FENCE and check it themselves."""
     _fences.append(check)
+    before = os.environ.get(FENCE_ENV)
+    os.environ[FENCE_ENV] = json.dumps({"uri": lock_uri, "token": token, "storage_options": storage_options or {}})
     try:
         yield
     finally:
         _fences.remove(check)
+        if before is None:
+            os.environ.pop(FENCE_ENV, None)
+        else:
+            os.environ[FENCE_ENV] = before
 
 
 def check_fence() -> None:
-    for check in list(_fences):
-        check()
+    """Called before every write: raises LockLost (naming the holder) in a process whose run lock was lost."""
+    if _fences:
+        for check in list(_fences):
+            check()
+    elif (spec := os.environ.get(FENCE_ENV)):
+        spec = json.loads(spec)
+        fs, path = filesystem(spec["uri"], spec.get("storage_options"))
+        try:
+            held = json.loads(fs.cat_file(path) or b"{}")
+        except FileNotFoundError:
+            held = None
+        if not held or held.get("token") != spec["token"]:
+            raise LockLost(f"lock {spec['uri']} lost: now held by {locks.describe(held)}; this process "
+                           f"(pid {os.getpid()}) stops writing")
 
 
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:12]
+def artifact_lease(fs, path: str, uri: str, storage_options: dict | None = None):
+    """The lease an artifact's writer (archiving in `begin`) and `prune_versions` take, waiting up to a lease."""
+    return locks.lease(fs, join(path, LOCK), join(uri, LOCK), LOCK_LEASE_S, what=f"artifact {uri}",
+                       redact=lambda t: redact(t, storage_options), wait_s=LOCK_LEASE_S)
 
 
 def committed_any(uri: str, storage_options: dict | None = None) -> bool:

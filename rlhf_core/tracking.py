@@ -5,7 +5,7 @@ A Tracker logs rows of numbers keyed by a step as they happen: a training job's 
 (rlhf_core.train.entry; after a restart from a checkpoint it first replays the restored history, so the
 files hold every step once, and the W&B run, keyed by the job's fingerprint, resumes), and the files go
 into the model artifact's `tensorboard/` and `wandb/`; a loop flow logs one row per iteration into the run
-folder (flows.runtime.Report).
+folder (flows.report.Report).
 """
 from __future__ import annotations
 

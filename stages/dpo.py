@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, tokenizer_id, train_and_commit
 from stages.common import ConfigError, StageConfig, stage_task
@@ -38,7 +38,7 @@ class Config(StageConfig, TrainFields):
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    policy = store.model_manifest(cfg.policy_uri, cfg.storage_options)
+    policy = model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "dpo", cfg.semantic(), {"policy": policy, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
@@ -48,7 +48,7 @@ def run(cfg: Config) -> store.Manifest:
     data.validate_table(table, "pairs", cfg.dataset_uri)
     if missing := [c for c in REF_COLUMNS if c not in table.column_names]:
         raise data.DataError(f"{cfg.dataset_uri}: pairs lack {missing}: run the reference stage on them first")
-    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
+    model_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     if (ref_tok := pairs.metrics.get("tokenizer_id")) != tokenizer_id(tok):
         raise ConfigError(f"policy {cfg.policy_uri} and the reference model of {cfg.dataset_uri} use different "

@@ -16,7 +16,7 @@ import time
 
 from pydantic import Field, field_validator
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.generation import BACKENDS, EngineSpec, SamplingSpec, generate
 from stages.common import StageConfig, stage_task
 
@@ -112,7 +112,7 @@ def load_prompts(cfg: Config, tokenizer) -> list[dict]:
 def run(cfg: Config) -> store.Manifest:
     # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to fetch or read
     uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
-    policy_m = store.model_manifest(cfg.policy_uri, cfg.storage_options)
+    policy_m = model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options)
     inputs = {"policy": policy_m,
               **{f"prompts{k or ''}": store.source_manifest(data.source_split(u)[0], cfg.storage_options) for k, u in enumerate(uris)}}
     w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
@@ -120,7 +120,7 @@ def run(cfg: Config) -> store.Manifest:
         return done
 
     # 2. inputs, checked before any work
-    policy_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy_m)
+    policy_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy_m)
     tok = models.load_tokenizer(policy_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     rows = load_prompts(cfg, tok)
     prompt_ids, truncated, bos = [], 0, models.adds_bos(tok)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches, launch
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import ConfigError, StageConfig, stage_task
@@ -51,15 +51,15 @@ def check_teacher(cfg: Config, student_dir, student_tok, teacher_dir) -> None:
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    student = store.model_manifest(cfg.policy_uri, cfg.storage_options)
-    teacher = store.model_manifest(cfg.teacher_uri, cfg.storage_options)
+    student = model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options)
+    teacher = model_inputs.model_manifest(cfg.teacher_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "kd", cfg.semantic(), {"policy": student, "teacher": teacher, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=student)
+    model_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=student)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
-    teacher_dir = store.fetch_model(cfg.teacher_uri, cfg.storage_options, manifest=teacher)
+    teacher_dir = model_inputs.fetch_model(cfg.teacher_uri, cfg.storage_options, manifest=teacher)
     check_teacher(cfg, model_dir, tok, teacher_dir)
     fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
                       input_template=cfg.input_template)

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import launch
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, train_and_commit
 from rlhf_core.train.methods import kto
@@ -65,13 +65,13 @@ def load_kto_rows(cfg: Config, tok) -> list[dict]:
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    policy = store.model_manifest(cfg.policy_uri, cfg.storage_options)
-    ref = store.model_manifest(cfg.ref_uri, cfg.storage_options) if cfg.ref_uri else policy
+    policy = model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options)
+    ref = model_inputs.model_manifest(cfg.ref_uri, cfg.storage_options) if cfg.ref_uri else policy
     w = store.ArtifactWriter(cfg.output_uri, "kto", cfg.semantic(), {"policy": policy, "ref": ref, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
+    model_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     rows = load_kto_rows(cfg, tok)
     n_d, n_u = data.check_kto_classes(rows, cfg.dataset_uri, cfg.label_key)
@@ -81,7 +81,7 @@ def run(cfg: Config) -> store.Manifest:
                     "outside the recommended [1, 4/3]", n_d, n_u, ratio)
     records, cut = kto.tokenize(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, seed=cfg.seed, model_dir=model_dir)
 
-    ref_dir = store.fetch_model(cfg.ref_uri, cfg.storage_options, manifest=ref) if cfg.ref_uri else model_dir
+    ref_dir = model_inputs.fetch_model(cfg.ref_uri, cfg.storage_options, manifest=ref) if cfg.ref_uri else model_dir
     if cfg.ref_uri and launch.tokenizer_id(models.load_tokenizer(ref_dir, where=cfg.ref_uri)) != launch.tokenizer_id(tok):
         raise ConfigError(f"policy {cfg.policy_uri} and reference {cfg.ref_uri} use different tokenizers: "
                           "their log-probs are not comparable")

@@ -21,7 +21,7 @@ import tempfile
 
 from pydantic import Field
 
-from rlhf_core import models, store
+from rlhf_core import model_inputs, models, store
 from stages.common import StageConfig, stage_task
 
 
@@ -35,22 +35,22 @@ class Config(StageConfig):
 
 
 def run(cfg: Config) -> store.Manifest:
-    m = store.model_manifest(cfg.model_uri, cfg.storage_options)
+    m = model_inputs.model_manifest(cfg.model_uri, cfg.storage_options)
     files = [f["path"] for f in m.files]
     if m.stage == "source" or f"{models.ADAPTER_DIR}/adapter_config.json" not in files:
-        raise store.ModelInputError(f"lora_combine: {cfg.model_uri} holds no LoRA adapter ({models.ADAPTER_DIR}/"
+        raise models.ModelInputError(f"lora_combine: {cfg.model_uri} holds no LoRA adapter ({models.ADAPTER_DIR}/"
                                     f"adapter_config.json): it is not a model trained with lora_rank > 0")
-    base = store.model_manifest(cfg.base_uri, cfg.storage_options) if cfg.base_uri else store.adapter_base(m, cfg.storage_options)
+    base = model_inputs.model_manifest(cfg.base_uri, cfg.storage_options) if cfg.base_uri else model_inputs.adapter_base(m, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "lora_combine", cfg.semantic(), {"adapter": m, "base": base}, cfg.storage_options)
     if (done := w.existing()):
         return done
 
-    artifact_dir = store.fetch_model(cfg.model_uri, cfg.storage_options, manifest=m, merge=False)
+    artifact_dir = model_inputs.fetch_model(cfg.model_uri, cfg.storage_options, manifest=m, merge=False)
     task = json.loads((artifact_dir / models.ADAPTER_DIR / "adapter_config.json").read_text()).get("task_type")
     if cfg.is_rm is not None and cfg.is_rm != (task == "SEQ_CLS"):
-        raise store.ModelInputError(f"lora_combine: is_rm={cfg.is_rm} but the adapter of {cfg.model_uri} has task "
+        raise models.ModelInputError(f"lora_combine: is_rm={cfg.is_rm} but the adapter of {cfg.model_uri} has task "
                                     f"type {task!r} ({'a reward model' if task == 'SEQ_CLS' else 'a causal LM'})")
-    base_dir = store.fetch_model(base.uri, cfg.storage_options, manifest=base)
+    base_dir = model_inputs.fetch_model(base.uri, cfg.storage_options, manifest=base)
     with tempfile.TemporaryDirectory() as tmp:
         is_rm = models.merge_adapter(base_dir, artifact_dir, tmp, bf16=cfg.bf16, rm_stats=m.metrics)
         w.begin()

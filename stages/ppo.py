@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 
 import torch
 
-from rlhf_core import agent, data, models, rl_math, store
+from rlhf_core import agent, data, model_inputs, models, rl_math, store
 from rlhf_core.generation import model_input
 from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards
 from rlhf_core.train import checkpoints
@@ -245,11 +245,11 @@ def run(cfg: Config) -> store.Manifest:
 
     # 1. lineage, and the skip
     critic_src = cfg.critic_uri or (cfg.reward_model_uri if cfg.advantage_estimator == "gae" else None)
-    inputs = {"policy": store.model_manifest(cfg.policy_uri, cfg.storage_options),
+    inputs = {"policy": model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options),
               "prompts": store.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
     for name, uri in (("reward_model", cfg.reward_model_uri), ("critic", critic_src)):
         if uri:
-            inputs[name] = store.model_manifest(uri, cfg.storage_options)
+            inputs[name] = model_inputs.model_manifest(uri, cfg.storage_options)
     for name in ("reward_func_path", "agent_func_path"):
         if getattr(cfg, name):
             inputs[name.removesuffix("_path")] = store.source_manifest(getattr(cfg, name), cfg.storage_options)

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core import data, store
+from rlhf_core import data, model_inputs, store
 from stages.common import StageConfig, stage_task
 
 
@@ -57,7 +57,7 @@ def run(cfg: Config) -> store.Manifest:
     sources = [s.strip() for s in cfg.data.split(",") if s.strip()]
     inputs = {f"source{i}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(sources)}
     if cfg.tokenizer_uri:
-        inputs["tokenizer"] = store.model_manifest(cfg.tokenizer_uri, cfg.storage_options)
+        inputs["tokenizer"] = model_inputs.model_manifest(cfg.tokenizer_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "prepare", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
@@ -66,7 +66,7 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.tokenizer_uri:
         from rlhf_core import models
 
-        tok_dir = store.fetch_model(cfg.tokenizer_uri, cfg.storage_options, manifest=inputs["tokenizer"])
+        tok_dir = model_inputs.fetch_model(cfg.tokenizer_uri, cfg.storage_options, manifest=inputs["tokenizer"])
         tokenizer = models.load_tokenizer(tok_dir, cfg.tokenizer_chat_template, cfg.tokenizer_uri)
     raw = data.load_mixture(sources, cfg.data_probs, cfg.max_samples, cfg.seed, cfg.storage_options, cfg.split)
     fmt = data.Format(**cfg.model_dump(include=set(data.Format.__dataclass_fields__)))

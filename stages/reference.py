@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import tokenizer_id
 from rlhf_core.train.reference import compute
@@ -44,7 +44,7 @@ class Config(StageConfig):
 
 def run(cfg: Config) -> store.Manifest:
     pairs_m = store.read_manifest(cfg.pairs_uri, storage_options=cfg.storage_options)
-    ref_m = store.model_manifest(cfg.ref_uri, cfg.storage_options)
+    ref_m = model_inputs.model_manifest(cfg.ref_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "reference", cfg.semantic(), {"pairs": pairs_m, "ref": ref_m},
                              cfg.storage_options)
     if (done := w.existing()):
@@ -53,7 +53,7 @@ def run(cfg: Config) -> store.Manifest:
     table = store.read_table(cfg.pairs_uri, storage_options=cfg.storage_options)
     data.validate_table(table, "pairs", cfg.pairs_uri)
     rows = table.to_pylist()
-    ref_dir = store.fetch_model(cfg.ref_uri, cfg.storage_options, manifest=ref_m)
+    ref_dir = model_inputs.fetch_model(cfg.ref_uri, cfg.storage_options, manifest=ref_m)
     tok = models.load_tokenizer(ref_dir, where=cfg.ref_uri)
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.pairs_uri, model_dir=ref_dir)
     w.begin()

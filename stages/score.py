@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, store
+from rlhf_core import data, model_inputs, store
 from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
 from stages.common import ConfigError, StageConfig, stage_task
 
@@ -73,7 +73,7 @@ def run(cfg: Config) -> store.Manifest:
     # 1. lineage, and the skip: same inputs and config as a committed output -> nothing to read or load
     inputs = {"samples": store.read_manifest(cfg.samples_uri, storage_options=cfg.storage_options)}
     if cfg.reward_model_uri:
-        inputs["reward_model"] = store.model_manifest(cfg.reward_model_uri, cfg.storage_options)
+        inputs["reward_model"] = model_inputs.model_manifest(cfg.reward_model_uri, cfg.storage_options)
     elif cfg.reward_func_path:
         inputs["reward_func"] = store.source_manifest(cfg.reward_func_path, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "score", cfg.semantic(), inputs, cfg.storage_options)
@@ -88,7 +88,7 @@ def run(cfg: Config) -> store.Manifest:
         raise data.DataError(f"{cfg.samples_uri}: no samples to score")
     model, kind = None, None
     if cfg.reward_model_uri:
-        rm_dir = store.fetch_model(cfg.reward_model_uri, cfg.storage_options, manifest=inputs["reward_model"])
+        rm_dir = model_inputs.fetch_model(cfg.reward_model_uri, cfg.storage_options, manifest=inputs["reward_model"])
         kind = check_reward_model(rm_dir, cfg.value_head_prefix, cfg.prm_tokens)
         model = cfg.reward_model_uri if cfg.ray_address else str(rm_dir)
     elif cfg.reward_func_path:

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import ConfigError, StageConfig, stage_task
@@ -44,12 +44,12 @@ class Config(StageConfig, TrainFields, SourceFields):
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    model = store.model_manifest(cfg.policy_uri, cfg.storage_options)
+    model = model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "sft", cfg.semantic(), {"policy": model, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    model_dir = store.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=model)
+    model_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=model)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
     if cfg.multiturn:
         if not tok.chat_template:

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, train_and_commit
 from rlhf_core.train.methods import prm
 from stages.common import ConfigError, StageConfig, stage_task
@@ -56,12 +56,12 @@ def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
     if cfg.placeholder_token in cfg.reward_tokens:
         raise ConfigError(f"placeholder_token {cfg.placeholder_token!r} is also one of the reward_tokens {cfg.reward_tokens}")
-    base = store.model_manifest(cfg.base_uri, cfg.storage_options)
+    base = model_inputs.model_manifest(cfg.base_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "train_prm", cfg.semantic(), {"base": base, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    model_dir = store.fetch_model(cfg.base_uri, cfg.storage_options, manifest=base)
+    model_dir = model_inputs.fetch_model(cfg.base_uri, cfg.storage_options, manifest=base)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.base_uri)
     try:  # each must be one token: the loss reads one logit per reward token at one position per step
         ph = prm.token_id(tok, cfg.placeholder_token, f"{cfg.base_uri}: placeholder_token")

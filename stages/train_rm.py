@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, models, store
+from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
 from stages.common import StageConfig, stage_task
@@ -36,12 +36,12 @@ class Config(StageConfig, TrainFields, SourceFields):
 
 def run(cfg: Config) -> store.Manifest:
     check_hardware(cfg)
-    base = store.model_manifest(cfg.base_uri, cfg.storage_options)
+    base = model_inputs.model_manifest(cfg.base_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "train_rm", cfg.semantic(), {"base": base, **input_manifests(cfg)},
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    model_dir = store.fetch_model(cfg.base_uri, cfg.storage_options, manifest=base)
+    model_dir = model_inputs.fetch_model(cfg.base_uri, cfg.storage_options, manifest=base)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.base_uri)
     fmt = data.Format(prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
                       apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template)

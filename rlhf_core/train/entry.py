@@ -221,7 +221,7 @@ def job_spec(ref: str) -> dict:
     another node (multi-node without a shared disk) fetches the data, the model and the checkpoint to resume
     from into its own cache: no node needs a path of another. Rank 0 must run on the launching host (the
     first hostfile entry / node_rank 0), where the stage reads the trained model from `work_dir`."""
-    from rlhf_core import store
+    from rlhf_core import model_inputs, store
 
     if "://" not in ref and Path(ref).exists():  # a local spec (debugging: python -m ... SPEC.json)
         return json.loads(Path(ref).read_text())
@@ -236,7 +236,7 @@ def job_spec(ref: str) -> dict:
     dfs, dpath = store.filesystem(spec["data_uri"], so)
     dfs.get_file(dpath, str(local / "data.parquet"))
     spec["data_path"], spec["local_dir"] = str(local / "data.parquet"), str(local)
-    spec["model_dir"] = str(store.fetch_model(spec["model_uri"], so))
+    spec["model_dir"] = str(model_inputs.fetch_model(spec["model_uri"], so))
     if spec.get("resume"):
         spec["resume_dir"] = str(checkpoints.download(spec["resume"], local / "resume", so))
     return spec

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from flows import common, runtime
+from flows import common, lock
+from rlhf_core import locks
 from flows.iterative_dpo import Params, iterative_dpo
 from rlhf_core import store
 from stages.common import ConfigError, StageFailed, load_config
@@ -77,22 +78,30 @@ def test_s3_endpoint_down_fails_fast_naming_it(prefect_harness, monkeypatch):
 
 
 def test_run_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path):
-    with common.run_lock(str(tmp_path), "r", lease_s=60):
+    with lock.run_lock(str(tmp_path), "r", lease_s=60):
         with pytest.raises(RuntimeError, match=rf"run {tmp_path}/r is in use by pid {os.getpid()} on"):
-            with common.run_lock(str(tmp_path), "r", lease_s=60):
+            with lock.run_lock(str(tmp_path), "r", lease_s=60):
                 pass
-    assert not (tmp_path / "r" / runtime.LOCK).exists()
+    assert not (tmp_path / "r" / lock.LOCK).exists()
     # A lock left by a SIGKILLed process on this host (its pid is gone) is stale at once.
     dead = 2 ** 22 + 12345
-    (tmp_path / "r" / runtime.LOCK).write_text(json.dumps({"token": "t", "host": socket.gethostname(), "pid": dead,
-                                                          "refreshed_at": time.time()}))
-    with common.run_lock(str(tmp_path), "r", lease_s=60):
-        assert json.loads((tmp_path / "r" / runtime.LOCK).read_text())["pid"] == os.getpid()
+    (tmp_path / "r" / lock.LOCK).write_text(json.dumps({"token": "t", **locks.identity(), "pid": dead,
+                                                       "refreshed_at": time.time()}))
+    with lock.run_lock(str(tmp_path), "r", lease_s=60):
+        assert json.loads((tmp_path / "r" / lock.LOCK).read_text())["pid"] == os.getpid()
+    # The same host name and a pid that is not alive here, but another pid namespace (a container sharing the
+    # host name): its pid says nothing about it, so the lock is honoured until its lease expires.
+    (tmp_path / "r" / lock.LOCK).write_text(json.dumps({"token": "t", **locks.identity(), "pid": dead,
+                                                       "pidns": "pid:[4026532999]", "refreshed_at": time.time()}))
+    with pytest.raises(RuntimeError, match=f"in use by pid {dead} on {socket.gethostname()}"):
+        with lock.run_lock(str(tmp_path), "r", lease_s=60):
+            pass
+    (tmp_path / "r" / lock.LOCK).unlink()
     # A lock from another host is honoured until its lease expires.
-    (tmp_path / "r" / runtime.LOCK).write_text(json.dumps({"token": "t", "host": "elsewhere", "pid": 1,
+    (tmp_path / "r" / lock.LOCK).write_text(json.dumps({"token": "t", "host": "elsewhere", "pid": 1,
                                                           "refreshed_at": time.time() - 30}))
     with pytest.raises(RuntimeError, match="in use by pid 1 on elsewhere"):
-        with common.run_lock(str(tmp_path), "r", lease_s=60):
+        with lock.run_lock(str(tmp_path), "r", lease_s=60):
             pass
-    with common.run_lock(str(tmp_path), "r", lease_s=10):  # 30 s old > 10 s lease: stale
+    with lock.run_lock(str(tmp_path), "r", lease_s=10):  # 30 s old > 10 s lease: stale
         pass

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from flows import runtime
+from flows import lock
+from flows.calls import call as call_stage
+from rlhf_core import locks
 from rlhf_core import store
 
 ROUNDS = 20
@@ -18,10 +20,10 @@ def _racer(root, barrier, results, env):
     for r in range(ROUNDS):
         barrier.wait(60)
         try:
-            with runtime.run_lock(root, f"run-{r}", lease_s=60):
+            with lock.run_lock(root, f"run-{r}", lease_s=60):
                 results.put((r, os.getpid()))
                 barrier.wait(60)  # hold it until the other one has tried
-        except runtime.LockHeld:
+        except lock.LockHeld:
             barrier.wait(60)
         barrier.wait(60)  # released before the next round
 
@@ -43,49 +45,49 @@ def test_two_processes_released_together_exactly_one_wins_each_round(where, tmp_
         wins.append(results.get(timeout=5))
     assert sorted(r for r, _ in wins) == list(range(ROUNDS)), wins  # exactly one winner per round
     fs, path = store.filesystem(root)
-    assert not fs.glob(f"{path}/run-*/{runtime.LOCK}")  # every winner released its lock
+    assert not fs.glob(f"{path}/run-*/{lock.LOCK}")  # every winner released its lock
 
 
 def test_commit_after_the_lock_was_taken_over_is_refused(tmp_path):
-    with runtime.run_lock(str(tmp_path), "r", lease_s=60):
+    with lock.run_lock(str(tmp_path), "r", lease_s=60):
         w = store.ArtifactWriter(str(tmp_path / "r" / "a"), "x", {})
         w.begin()
         w.write_json("a.json", {})
         # another process decided we were stale and took the run
-        (tmp_path / "r" / runtime.LOCK).write_text(json.dumps({"token": "other", "host": "h2", "pid": 7,
+        (tmp_path / "r" / lock.LOCK).write_text(json.dumps({"token": "other", "host": "h2", "pid": 7,
                                                                "refreshed_at": time.time()}))
-        with pytest.raises(runtime.LockLost, match=r"_LOCK.json lost: now held by pid 7 on h2"):
+        with pytest.raises(lock.LockLost, match=r"_LOCK.json lost: now held by pid 7 on h2"):
             w.commit()
         assert not store.committed_any(str(tmp_path / "r" / "a"))
     # release left the other holder's lock alone
-    assert json.loads((tmp_path / "r" / runtime.LOCK).read_text())["token"] == "other"
+    assert json.loads((tmp_path / "r" / lock.LOCK).read_text())["token"] == "other"
 
 
 def test_failed_refresh_stops_the_run_before_the_next_stage(s3_root, monkeypatch):
     calls = []
-    with runtime.run_lock(s3_root, "r", lease_s=0.4) as check:
-        real = runtime._LockObject.read
+    with lock.run_lock(s3_root, "r", lease_s=0.4) as check:
+        real = locks.LeaseObject.read
 
         def broken(self):  # the store starts failing every request after acquisition
             calls.append(1)
             raise ConnectionError("endpoint down")
 
-        monkeypatch.setattr(runtime._LockObject, "read", broken)
+        monkeypatch.setattr(locks.LeaseObject, "read", broken)
         time.sleep(0.8)
-        with pytest.raises(runtime.LockLost, match=r"lost: refresh failed for .*ConnectionError: endpoint down"):
-            runtime.call(None, None)  # stops before running the stage
-        with pytest.raises(runtime.LockLost):
+        with pytest.raises(lock.LockLost, match=r"lost: refresh failed for .*ConnectionError: endpoint down"):
+            call_stage(None, None)  # stops before running the stage
+        with pytest.raises(lock.LockLost):
             check()
-        monkeypatch.setattr(runtime._LockObject, "read", real)
+        monkeypatch.setattr(locks.LeaseObject, "read", real)
     assert calls
 
 
 def test_stale_lock_of_a_dead_pid_is_taken_over_once(tmp_path):
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / runtime.LOCK).write_text(json.dumps({"token": "t", "host": socket.gethostname(),
-                                                           "pid": 2 ** 22 + 1, "refreshed_at": time.time()}))
-    with runtime.run_lock(str(tmp_path), "r", lease_s=60):
-        with pytest.raises(runtime.LockHeld):
-            with runtime.run_lock(str(tmp_path), "r", lease_s=60):
+    (tmp_path / "r" / lock.LOCK).write_text(json.dumps({"token": "t", **locks.identity(),
+                                                        "pid": 2 ** 22 + 1, "refreshed_at": time.time()}))
+    with lock.run_lock(str(tmp_path), "r", lease_s=60):
+        with pytest.raises(lock.LockHeld):
+            with lock.run_lock(str(tmp_path), "r", lease_s=60):
                 pass
-    assert not (tmp_path / "r" / runtime.LOCK).exists()
+    assert not (tmp_path / "r" / lock.LOCK).exists()

@@ -57,7 +57,7 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId, LogFilter, LogFilterFlowRunId
     from prefect.logging.handlers import APILogHandler
 
-    from flows import runtime
+    from flows import calls, report
     from stages import score
 
     cfg = score.Config(samples_uri=_scored_input(tmp_path, 512), reward_model_uri=tiny.reward_uri, num_engines=0,
@@ -66,15 +66,15 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
 
     def read_artifact(ev):  # runs before the flow's own listener: sees the value the previous line set
         with get_client(sync_client=True) as c:
-            art = c.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[runtime._progress["id"]])))
+            art = c.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[calls._progress["id"]])))
         seen.append((ev.done, float(art[0].data)))
 
     @flow(name="progress-check")
     def progress_check():
         from prefect.context import FlowRunContext
 
-        runtime.Report("progress-check", str(tmp_path), "run", stages=2)
-        runtime.call(score.task, cfg)
+        report.Report("progress-check", str(tmp_path), "run", stages=2)
+        calls.call(score.task, cfg)
         return str(FlowRunContext.get().flow_run.id)
 
     progress.listeners.append(read_artifact)
@@ -118,7 +118,7 @@ def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_toke
 
 
 def test_flow_report_tracking_writes_iterations_to_tensorboard_and_wandb(tmp_path):
-    from flows.runtime import Report
+    from flows.report import Report
 
     (tmp_path / "run").mkdir()  # the flow's run lock makes it
     rep = Report("iterative-dpo", str(tmp_path), "run", tracking={"tensorboard": True, "wandb": True})

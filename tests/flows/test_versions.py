@@ -1,6 +1,6 @@
 """`rlhf-flows show` lists kept versions; `rlhf-flows gc URI --keep N` is the only thing that deletes them."""
 from flows.cli import main
-from rlhf_core import store
+from rlhf_core import store, versions
 
 
 def _commit(uri, n, inputs=None):
@@ -27,8 +27,8 @@ def test_show_lists_versions_and_gc_prunes_only_when_asked(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "_versions" not in text.split("previous")[0] and f"previous {first.fingerprint}" in text
     assert main(["gc", run, "--keep", "0"]) == 2 and "keep must be >= 1" in capsys.readouterr().err
-    assert len(store.versions(f"{run}/a")) == 2  # nothing deleted before gc
+    assert len(versions.versions(f"{run}/a")) == 2  # nothing deleted before gc
     assert main(["gc", run, "--keep", "2"]) == 0
     assert f"removed {run}/a/_versions/{first.fingerprint}" in capsys.readouterr().out
-    assert [v.fingerprint for v in store.versions(f"{run}/a")] == [second.fingerprint]
+    assert [v.fingerprint for v in versions.versions(f"{run}/a")] == [second.fingerprint]
     assert store.read_manifest(f"{run}/b").fingerprint == down.fingerprint

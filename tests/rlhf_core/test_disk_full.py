@@ -10,7 +10,7 @@ from pathlib import Path
 SCRIPT = textwrap.dedent("""
     import os, resource, signal, sys
     import pyarrow as pa
-    from rlhf_core import store
+    from rlhf_core import store, versions
     if sys.argv[2] == "rlimit":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, 512 * 1024))
@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
         print("COMMITTED")
     except store.NotCommittedError:
         print("NOT COMMITTED")
-    print("KEPT", [m.fingerprint for m in store.versions(uri)] == [v1.fingerprint],
+    print("KEPT", [m.fingerprint for m in versions.versions(uri)] == [v1.fingerprint],
           store.read_table(f"{uri}/_versions/{v1.fingerprint}").num_rows)
 """)
 

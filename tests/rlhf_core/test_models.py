@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rlhf_core import models, store
+from rlhf_core import model_inputs, models
 from rlhf_core.generation import HFEngine, EngineSpec, SamplingSpec
 from rlhf_core.rewards import RMEngine, RewardSpec
 from rlhf_core.train import batches
@@ -126,22 +126,22 @@ def test_hf_backend_stops_on_every_eos_of_the_list(zoo, tmp_path):
 def test_bad_model_folders_are_refused_by_name(zoo, tmp_path):
     import shutil
 
-    with pytest.raises(store.ModelInputError, match="looks like a Hugging Face hub id: there is no hub access here"):
-        store.model_manifest("meta-llama/Meta-Llama-3-8B")
+    with pytest.raises(models.ModelInputError, match="looks like a Hugging Face hub id: there is no hub access here"):
+        model_inputs.model_manifest("meta-llama/Meta-Llama-3-8B")
     for drop, what in (("config.json", "lacks config.json"), ("model.safetensors", r"lacks weights \(\*.safetensors"),
                        ("tokenizer.json", r"lacks a tokenizer \(tokenizer.json")):
         d = tmp_path / drop
         shutil.copytree(zoo["qwen2"].policy, d)
         for f in [drop] + (["tokenizer_config.json"] if drop == "tokenizer.json" else []):
             (d / f).unlink()
-        with pytest.raises(store.ModelInputError, match=f"model folder {d} {what}"):
-            store.model_manifest(str(d))
+        with pytest.raises(models.ModelInputError, match=f"model folder {d} {what}"):
+            model_inputs.model_manifest(str(d))
     big = tmp_path / "big"
     shutil.copytree(zoo["qwen2"].policy, big)
     tok = _tok(big)
     tok.add_tokens([f"extra{i}" for i in range(8)])
     tok.save_pretrained(str(big))
-    with pytest.raises(store.ModelInputError, match=r"tokenizer has \d+ tokens but the model's embeddings have \d+ rows"):
+    with pytest.raises(models.ModelInputError, match=r"tokenizer has \d+ tokens but the model's embeddings have \d+ rows"):
         models.load_tokenizer(big)
 
 

@@ -5,7 +5,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from rlhf_core import data, demo_task, store
+from rlhf_core import data, demo_task, model_inputs, store, versions
 
 
 def _dataset(uri, stage="prepare", config=None, n=10):
@@ -26,7 +26,7 @@ def test_parquet_and_model_roundtrip_on_s3(s3_root, tiny, tmp_path, monkeypatch)
     mm = store.commit_model_dir(tiny.policy_dir, model_uri, "tiny-model", {"kind": "policy"})
     assert {f["path"] for f in mm.files} >= {"config.json", "model.safetensors", "tokenizer.json"}
     monkeypatch.setenv("RLHF_FLOWS_CACHE", str(tmp_path / "cache"))
-    local = store.fetch_model(model_uri)
+    local = model_inputs.fetch_model(model_uri)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(local)
@@ -34,7 +34,7 @@ def test_parquet_and_model_roundtrip_on_s3(s3_root, tiny, tmp_path, monkeypatch)
     # Downloaded once per machine: with the weights gone from S3, the cached copy still serves.
     fs, path = store.filesystem(model_uri)
     fs.rm(f"{path}/model.safetensors")
-    assert store.fetch_model(model_uri) == local
+    assert model_inputs.fetch_model(model_uri) == local
 
 
 def test_uncommitted_prefix_is_refused(s3_root):
@@ -146,24 +146,24 @@ def test_changed_config_keeps_the_previous_version_and_lineage_still_resolves(tm
     down.commit()
     v2 = _dataset(uri, config={"n": 7}, n=7)
     assert store.read_table(uri).num_rows == 7  # the prefix holds the new version
-    kept = store.versions(uri)
+    kept = versions.versions(uri)
     assert [m.fingerprint for m in kept] == [v1.fingerprint]
     assert store.read_table(kept[0].uri).num_rows == 5 and kept[0].uri == f"{uri}/_versions/{v1.fingerprint}"
     rec = store.read_manifest(str(tmp_path / "down")).inputs[0]  # the downstream manifest still names what it used
-    assert store.read_version(rec["uri"], rec["fingerprint"]).created_at == v1.created_at
-    assert store.read_version(uri, v2.fingerprint).created_at == v2.created_at
+    assert versions.read_version(rec["uri"], rec["fingerprint"]).created_at == v1.created_at
+    assert versions.read_version(uri, v2.fingerprint).created_at == v2.created_at
     _dataset(uri, config={"n": 9}, n=9)
-    assert len(store.versions(uri)) == 2
-    removed = store.prune_versions(uri, keep=2)  # the current one + the newest previous
+    assert len(versions.versions(uri)) == 2
+    removed = versions.prune_versions(uri, keep=2)  # the current one + the newest previous
     assert removed == [f"{uri}/_versions/{v1.fingerprint}"]
-    assert [m.fingerprint for m in store.versions(uri)] == [v2.fingerprint] and store.read_table(uri).num_rows == 9
+    assert [m.fingerprint for m in versions.versions(uri)] == [v2.fingerprint] and store.read_table(uri).num_rows == 9
 
 
 def test_changed_model_config_on_s3_keeps_the_previous_model(s3_root, tiny):
     uri = f"{s3_root}/policy"
     a = store.commit_model_dir(tiny.policy_dir, uri, "tiny-model", {"v": 1})
     store.commit_model_dir(tiny.reward_dir, uri, "tiny-model", {"v": 2})
-    old = store.read_version(uri, a.fingerprint)
+    old = versions.read_version(uri, a.fingerprint)
     fs, _ = store.filesystem(uri)
     assert fs.cat_file(store.filesystem(f"{old.uri}/config.json")[1]) == (tiny.policy_dir / "config.json").read_bytes()
     assert fs.cat_file(store.filesystem(f"{uri}/config.json")[1]) == (tiny.reward_dir / "config.json").read_bytes()

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core import demo_task, model_inputs, store
 from stages import eval as eval_stage, prepare
 
 
@@ -30,7 +30,7 @@ def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny, eval
     assert len(rows) == 12 and all(r["kl"] == 0.0 for r in rows)
     assert same.metrics["response_tokens_mean"] == pytest.approx(sum(r["response_tokens"] for r in rows) / 12)
 
-    policy_dir = store.fetch_model(tiny.policy_uri)
+    policy_dir = model_inputs.fetch_model(tiny.policy_uri)
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir))
     with torch.no_grad():
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight), alpha=0.5)

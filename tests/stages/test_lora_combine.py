@@ -1,4 +1,4 @@
-"""LoRA adapters without merged weights (`lora_merge=false`): every stage loads them (store.fetch_model merges
+"""LoRA adapters without merged weights (`lora_merge=false`): every stage loads them (model_inputs.fetch_model merges
 adapter + base), and the lora_combine stage commits the merged model. One tiny LoRA sft job (2 steps) and
 one tiny LoRA reward model (2 steps) serve every test here."""
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import demo_task, store
+from rlhf_core import demo_task, model_inputs, models, store
 from stages import generate, lora_combine, sft, train_rm
 from tests.stages.test_sft import FAST, sft_data, weights
 from tests.stages.test_train_rm import pairs_data
@@ -28,8 +28,8 @@ def test_adapter_only_artifact_loads_as_base_plus_scaled_BA(tiny, adapter_sft):
     root, m = adapter_sft
     files = {f["path"] for f in m.files}
     assert "adapter/adapter_model.safetensors" in files and "model.safetensors" not in files  # nothing merged at the root
-    merged = store.fetch_model(m.uri)
-    assert merged != store.fetch_model(m.uri, merge=False)
+    merged = model_inputs.fetch_model(m.uri)
+    assert merged != model_inputs.fetch_model(m.uri, merge=False)
     base, got = weights(tiny.policy_dir), weights(merged)
     lora = load_file(str(root / "sft" / "adapter" / "adapter_model.safetensors"))
     scale = LORA["lora_alpha"] / LORA["lora_rank"]
@@ -44,7 +44,7 @@ def test_adapter_only_artifact_loads_as_base_plus_scaled_BA(tiny, adapter_sft):
         else:
             assert torch.equal(got[k], w), k
     assert adapted == 2 * 2  # q_proj and v_proj in each of the 2 layers
-    assert store.fetch_model(m.uri) == merged  # merged once per machine
+    assert model_inputs.fetch_model(m.uri) == merged  # merged once per machine
 
 
 def test_lora_combine_commits_the_merged_model_and_a_later_stage_loads_either(tiny, adapter_sft):
@@ -53,7 +53,7 @@ def test_lora_combine_commits_the_merged_model_and_a_later_stage_loads_either(ti
     assert out.stage == "lora_combine" and out.metrics["is_rm"] is False
     assert {i["name"]: i["uri"] for i in out.inputs} == {"adapter": m.uri, "base": tiny.policy_uri}
     assert not any(f["path"].startswith("adapter/") for f in out.files)
-    for k, v in weights(store.fetch_model(m.uri)).items():
+    for k, v in weights(model_inputs.fetch_model(m.uri)).items():
         assert torch.equal(weights(root / "merged")[k], v), k
     # generate from the unmerged artifact and from the combined one: same weights, same seed -> same text
     prompts = root / "prompts.jsonl"
@@ -69,9 +69,9 @@ def test_lora_combine_commits_the_merged_model_and_a_later_stage_loads_either(ti
 
 def test_lora_combine_refuses_a_model_without_adapter_and_a_wrong_is_rm(tiny, adapter_sft):
     root, m = adapter_sft
-    with pytest.raises(store.ModelInputError, match="holds no LoRA adapter"):
+    with pytest.raises(models.ModelInputError, match="holds no LoRA adapter"):
         lora_combine.run(lora_combine.Config(model_uri=tiny.policy_uri, output_uri=str(root / "none")))
-    with pytest.raises(store.ModelInputError, match="is_rm=True but the adapter .* task type 'CAUSAL_LM'"):
+    with pytest.raises(models.ModelInputError, match="is_rm=True but the adapter .* task type 'CAUSAL_LM'"):
         lora_combine.run(lora_combine.Config(model_uri=m.uri, is_rm=True, output_uri=str(root / "wrong")))
     assert not (root / "none").exists() and not (root / "wrong" / store.MANIFEST).exists()
 
@@ -88,7 +88,7 @@ def test_reward_model_adapter_merges_with_its_reward_stats(tiny, tmp_path):
     assert "ForSequenceClassification" in conf["architectures"][0]
     texts = ["great excellent superb .", "awful bad terrible ."]
     scores = [compute_rewards(RewardSpec(model=str(d)), ["Review of the movie:"] * 2, texts, [None] * 2).rewards
-              for d in (store.fetch_model(m.uri), tmp_path / "rm-merged")]
+              for d in (model_inputs.fetch_model(m.uri), tmp_path / "rm-merged")]
     assert scores[0] == pytest.approx(scores[1], abs=1e-5) and scores[0][0] != scores[0][1]
     before = load_file(os.path.join(tiny.reward_dir, "model.safetensors"))
     assert any(not torch.equal(before[k], v) for k, v in weights(tmp_path / "rm-merged").items() if k in before)

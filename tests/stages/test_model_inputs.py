@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from rlhf_core import demo_task, store, tiny as tiny_mod
+from rlhf_core import demo_task, model_inputs, models, store, tiny as tiny_mod
 from stages import generate, sft
 from tests.conftest import upload_folder
 
@@ -23,7 +23,7 @@ def test_changed_plain_folder_reruns_the_stage_and_gets_a_new_cache_entry(zoo, s
     first = generate.run(cfg)
     src = {i["name"]: i for i in first.inputs}["policy"]
     assert src["stage"] == "source" and src["uri"] == policy
-    first_dir = store.fetch_model(policy)
+    first_dir = model_inputs.fetch_model(policy)
     assert first_dir.parent == tmp_path / "cache" / "models" and (first_dir / "model.safetensors").exists()
     assert generate.run(cfg).created_at == first.created_at  # same content: no work
 
@@ -33,7 +33,7 @@ def test_changed_plain_folder_reruns_the_stage_and_gets_a_new_cache_entry(zoo, s
     second = generate.run(cfg)
     assert second.fingerprint != first.fingerprint and second.created_at != first.created_at
     assert {i["name"]: i for i in second.inputs}["policy"]["fingerprint"] != src["fingerprint"]
-    assert store.fetch_model(policy) != first_dir
+    assert model_inputs.fetch_model(policy) != first_dir
 
 
 def test_bad_model_inputs_fail_before_work_and_commit_nothing(zoo, tiny, tmp_path):
@@ -41,12 +41,12 @@ def test_bad_model_inputs_fail_before_work_and_commit_nothing(zoo, tiny, tmp_pat
     data.write_text('{"input": "a", "output": "b"}\n' * 8)
     out = tmp_path / "out"
     base = dict(dataset_uri=str(data), output_uri=str(out), train_batch_size=8, micro_train_batch_size=8)
-    with pytest.raises(store.ModelInputError, match="'meta-llama/Meta-Llama-3-8B' looks like a Hugging Face hub id"):
+    with pytest.raises(models.ModelInputError, match="'meta-llama/Meta-Llama-3-8B' looks like a Hugging Face hub id"):
         sft.run(sft.Config(policy_uri="meta-llama/Meta-Llama-3-8B", **base))
     no_weights = tmp_path / "no-weights"
     shutil.copytree(zoo["mistral"].policy, no_weights)
     (no_weights / "model.safetensors").unlink()
-    with pytest.raises(store.ModelInputError, match=f"model folder {no_weights} lacks weights"):
+    with pytest.raises(models.ModelInputError, match=f"model folder {no_weights} lacks weights"):
         sft.run(sft.Config(policy_uri=str(no_weights), **base))
     big = tmp_path / "big-vocab"
     shutil.copytree(zoo["mistral"].policy, big)
@@ -55,7 +55,7 @@ def test_bad_model_inputs_fail_before_work_and_commit_nothing(zoo, tiny, tmp_pat
     tok = AutoTokenizer.from_pretrained(str(big))
     tok.add_tokens(["<extra_a>", "<extra_b>"])
     tok.save_pretrained(str(big))
-    with pytest.raises(store.ModelInputError, match=f"model {big}: its tokenizer has {len(tok)} tokens but the "
+    with pytest.raises(models.ModelInputError, match=f"model {big}: its tokenizer has {len(tok)} tokens but the "
                                                     f"model's embeddings have {len(tok) - 2} rows"):
         sft.run(sft.Config(policy_uri=str(big), **base))
     assert not store.committed_any(str(out))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_core import demo_task, models, store, tiny as tiny_mod
+from rlhf_core import demo_task, model_inputs, models, store, tiny as tiny_mod
 from stages import dpo, generate, prepare, reference, score, sft, train_rm
 from tests.conftest import upload_folder
 
@@ -48,7 +48,7 @@ def zoo_s3(zoo, moto_s3):
 
 def _changed(before_dir, after_uri) -> bool:
     before = load_file(str(before_dir / "model.safetensors"))
-    after = load_file(str(store.fetch_model(after_uri) / "model.safetensors"))
+    after = load_file(str(model_inputs.fetch_model(after_uri) / "model.safetensors"))
     return any(not (before[k] == after[k]).all() for k in before if k in after)
 
 
@@ -66,14 +66,14 @@ def test_zoo_model_from_a_plain_s3_folder_through_every_stage(arch, zoo, zoo_s3)
     assert first == tok.apply_chat_template(_chat(demo_task.prompts(8)[0]["input"]), tokenize=False,
                                             add_generation_prompt=True)
     lineage = {i["name"]: i for i in prompts.inputs}["tokenizer"]
-    assert lineage["stage"] == "source" and lineage["fingerprint"] == store.model_manifest(hf.policy).fingerprint
+    assert lineage["stage"] == "source" and lineage["fingerprint"] == model_inputs.model_manifest(hf.policy).fingerprint
     pairs = prepare.run(prepare.Config(kind="pairs", data=zoo_s3.prefs, output_uri=at("pairs"), **chat))
 
     # sft and train_rm start from the plain folders; the trained model keeps the EOS list and the template
     warm = sft.run(sft.Config(policy_uri=hf.policy, dataset_uri=zoo_s3.sft, input_key="messages", output_key=None,
                               apply_chat_template=True, output_uri=at("sft"), **TRAIN))
     assert warm.metrics["steps_done"] == 2 and _changed(zoo[arch].policy, warm.uri)
-    warm_dir = store.fetch_model(warm.uri)
+    warm_dir = model_inputs.fetch_model(warm.uri)
     assert models.eos_ids(models.load_tokenizer(warm_dir), warm_dir) == models.eos_ids(tok, zoo[arch].policy)
     assert (warm_dir / "chat_template.jinja").exists()
     rm = train_rm.run(train_rm.Config(base_uri=hf.reward, dataset_uri=pairs.uri, output_uri=at("rm"), **TRAIN))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import agent, data, demo_task, store, tiny as tiny_mod
+from rlhf_core import agent, data, demo_task, model_inputs, store, tiny as tiny_mod
 from rlhf_core.ppo import loop
 from rlhf_core.rewards import RewardError
 from stages import ppo, sft
@@ -41,7 +41,7 @@ def warm(tiny, tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(64, 0)))
     return type("Warm", (), {"root": root, "policy": str(root / "sft"), "prompts": str(prompts),
-                             "policy_dir": store.fetch_model(str(root / "sft"))})
+                             "policy_dir": model_inputs.fetch_model(str(root / "sft"))})
 
 
 def held_out_gold(model_dir) -> float:

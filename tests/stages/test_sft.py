@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store
+from rlhf_core import data, demo_task, model_inputs, store
 from rlhf_core.jobs import JobFailed
 from rlhf_core.train import checkpoints
 from rlhf_core.train.launch import TrainingIncomplete  # noqa: F401  (part of the contract)
@@ -141,7 +141,7 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     # the same job uninterrupted (another output_uri: same seed and data) ends with the same weights
     straight = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0, "output_uri": f"{s3_root}/sft-straight"}))
     assert straight.metrics["resumed_from_step"] == 0
-    resumed, uninterrupted = weights(store.fetch_model(out)), weights(store.fetch_model(straight.uri))
+    resumed, uninterrupted = weights(model_inputs.fetch_model(out)), weights(model_inputs.fetch_model(straight.uri))
     assert resumed.keys() == uninterrupted.keys()
     for k in resumed:
         torch.testing.assert_close(resumed[k], uninterrupted[k], rtol=1e-5, atol=1e-6, msg=k)

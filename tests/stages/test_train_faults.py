@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rlhf_core import store
+from rlhf_core import model_inputs, store
 from stages import sft
 from tests.stages.test_sft import FAST, sft_data, weights
 
@@ -99,7 +99,7 @@ def test_endpoint_down_mid_model_upload_then_rerun_commits_without_retraining(ti
         m = sft.run(cfg)
     assert "reusing the model trained for" in caplog.text and "launching:" not in caplog.text
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 6
-    local = store.fetch_model(out, so)
+    local = model_inputs.fetch_model(out, so)
     assert all((weights(local)[k] == v).all() for k, v in trained.items())
     assert not work.exists()  # cleaned after the commit
 

@@ -22,11 +22,11 @@ MODEL = "causal_lm"
 def setup(engine, spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import store
+    from rlhf_core import model_inputs, store
 
     path = spec["teacher_dir"]
     if spec.get("launch_cache") not in (None, str(store.cache_root())):  # a rank on another node: its own copy
-        path = str(store.fetch_model(spec["teacher_uri"], spec.get("storage_options")))
+        path = str(model_inputs.fetch_model(spec["teacher_uri"], spec.get("storage_options")))
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if spec["bf16"] else torch.float32,
                                                    use_safetensors=True)
     teacher.eval().requires_grad_(False)

@@ -1,0 +1,83 @@
+"""How a flow runs a stage: the stage's Config from the flow's settings plus the URIs it wires in
+(`stage_config`), then the Prefect task (`call`), which also moves the run's progress bar and stops a run that
+lost its lock before the stage starts. Every flow reaches every stage through these two functions.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+
+from pydantic import ValidationError
+
+from rlhf_core import store
+from stages.common import ConfigError, call as run_stage
+
+_progress: dict = {}  # the running flow's Prefect progress artifact: {"id", "done", "total"}
+
+
+def stage(name: str):
+    """The stage module stages/<name>.py."""
+    return importlib.import_module(f"stages.{name}")
+
+
+def stage_config(module, base: dict, **fields):
+    """module.Config from a flow's per-stage dict plus the URIs the flow wires in."""
+    try:
+        return module.Config(**{**base, **fields})
+    except ValidationError as e:
+        name = module.__name__.rsplit(".", 1)[-1]
+        lines = [f"  {name}.{'.'.join(map(str, err['loc']))}: "
+                 + ("unknown field (typo?)" if err["type"] == "extra_forbidden" else err["msg"]) for err in e.errors()]
+        raise ConfigError(f"invalid flow config for stage {name}:\n" + "\n".join(lines)) from None
+
+
+def call(stage_task_obj, cfg) -> dict:
+    """Run one stage (stages.common.call) and advance the flow's progress artifact: per stage, and inside a
+    stage per training step line / finished generate or score chunk (at most once a second). A run whose
+    lock was lost stops here, before the next stage starts."""
+    from rlhf_core import progress
+
+    store.check_fence()
+
+    if not _progress.get("id"):
+        return run_stage(stage_task_obj, cfg)
+    from prefect.artifacts import update_progress_artifact
+
+    last = [0.0]
+
+    def within(ev: progress.Event) -> None:
+        if time.time() - last[0] >= 1.0 or ev.done >= ev.total:
+            last[0] = time.time()
+            frac = min(1.0, ev.done / max(1, ev.total))
+            update_progress_artifact(_progress["id"], progress=min(100.0, 100.0 * (_progress["done"] + frac) / _progress["total"]))
+
+    progress.listeners.append(within)
+    try:
+        out = run_stage(stage_task_obj, cfg)
+    finally:
+        progress.listeners.remove(within)
+    _progress["done"] += 1
+    update_progress_artifact(_progress["id"], progress=min(100.0, 100.0 * _progress["done"] / _progress["total"]))
+    return out
+
+
+def start_progress(flow: str, stages: int) -> None:
+    """A progress bar in the UI for this flow run: stage calls done of `stages` planned."""
+    _progress.clear()
+    if not stages:
+        return
+    from prefect.artifacts import create_progress_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is not None:
+        _progress.update(id=create_progress_artifact(0.0, key=f"{flow}-progress", description=
+                                                     f"{flow}: stages done of {stages} planned"),
+                         done=0, total=stages)
+
+
+def finish_progress() -> None:
+    """An early stop skips planned stages: the bar ends at 100%."""
+    if _progress.get("id"):
+        from prefect.artifacts import update_progress_artifact
+
+        update_progress_artifact(_progress["id"], progress=100.0)

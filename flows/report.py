@@ -1,0 +1,173 @@
+"""A flow run's report: per-iteration rows as report.json, the reward plot and TensorBoard / W&B in the run
+folder, and as Prefect table / markdown artifacts. Every file it writes goes through the store's fence."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from flows import calls
+from rlhf_core import store
+
+
+class Report:
+    """Per-iteration numbers: a Prefect table + markdown artifact, a PNG plot and report.json in the run."""
+
+    def __init__(self, flow: str, root: str, run_name: str, storage_options: dict | None = None, stages: int = 0,
+                 tracking: dict | None = None):
+        self.flow, self.run_uri, self.storage_options = flow, store.join(root, run_name), storage_options
+        self.tracking = tracking or {}
+        calls.start_progress(flow, stages)
+        self.rows: list[dict] = []
+        self.links: dict[str, str] = {}
+        self.stop_reason = "running"
+        self.started = time.time()
+        self.eval_cfg: dict = {}
+        self.eval_variants: dict[str, dict] = {}  # name -> eval settings of a second evaluation (columns *_{name})
+        self.png = b""
+        self.steps: list[dict] = []  # online RL: one row per training step over all iterations
+
+    def add_steps(self, k: int, log: list[dict]) -> None:
+        """Iteration k's online-RL steps (the ppo stage's training_log.json): reward, KL, entropy per step."""
+        for h in log:
+            self.steps.append({"iteration": k, "step": len(self.steps) + 1, "reward": h.get("reward"),
+                               "kl": h.get("kl"), "entropy": h.get("entropy")})
+
+    def add(self, row: dict, links: dict[str, str] | None = None) -> None:
+        self.rows.append(row)
+        self.links.update(links or {})
+        self.publish()
+
+    def finish(self) -> dict:
+        if self.stop_reason == "running":
+            self.stop_reason = "completed all iterations"
+        calls.finish_progress()
+        return self.publish()
+
+    def _track(self) -> None:
+        """The iterations so far as TensorBoard events and/or a W&B run (its id fixed by the run's URI: a rerun or
+        the next iteration continues the same run), rewritten into {run}/tensorboard and {run}/wandb."""
+        import hashlib
+        import shutil
+        import tempfile
+
+        from rlhf_core import tracking
+
+        fs, path = store.filesystem(self.run_uri, self.storage_options)
+        with tempfile.TemporaryDirectory() as tmp:
+            t = tracking.Tracker(tmp, tensorboard=bool(self.tracking.get("tensorboard")), wandb=bool(self.tracking.get("wandb")),
+                                 prefix=self.flow, step_key="iteration", project=self.tracking.get("project", "rlhf-flows"),
+                                 run_name=self.run_uri.rsplit("/", 1)[-1],
+                                 run_id=hashlib.sha256(self.run_uri.encode()).hexdigest()[:16])
+            for r in self.rows:
+                t.log(r)
+            for sub in t.close():
+                store.check_fence()
+                if fs.exists(store.join(path, sub)):
+                    fs.rm(store.join(path, sub), recursive=True)
+                fs.put(str(Path(tmp) / sub), store.join(path, sub), recursive=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def publish(self) -> dict:
+        from prefect.context import FlowRunContext
+
+        store.check_fence()  # a run that lost its lock leaves the report to the new holder
+
+        ctx = FlowRunContext.get()
+        rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
+               "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
+               "artifacts": self.links, "wall_s": round(time.time() - self.started, 2)}
+        if self.steps:
+            rep["steps"] = self.steps
+        fs, path = store.filesystem(self.run_uri, self.storage_options)
+        store.check_fence()
+        with fs.open(store.join(path, "report.json"), "w") as f:
+            f.write(json.dumps(rep, indent=2, default=str))
+        self._plot(fs, path)
+        if self.tracking.get("tensorboard") or self.tracking.get("wandb"):
+            self._track()
+        self._prefect_artifacts()
+        return rep
+
+    def _plot(self, fs, path) -> None:
+        import io
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 3 if self.steps else 2, figsize=(12 if self.steps else 8, 3.2))
+        ax, ax2 = axes[:2]
+        if self.steps:  # online RL: the training reward and KL of every step
+            ax3 = axes[2]
+            xs = [s["step"] for s in self.steps]
+            ax3.plot(xs, [s["reward"] for s in self.steps], color="tab:blue", label="training reward")
+            ax3.set_xlabel("ppo step (all iterations)")
+            ax3.set_ylabel("mean reward", color="tab:blue")
+            ax3.grid(alpha=0.3)
+            k3 = ax3.twinx()
+            k3.plot(xs, [s["kl"] for s in self.steps], color="tab:red", label="KL per token")
+            k3.set_ylabel("KL to the iteration's reference", color="tab:red")
+        for key, label in (("gold_reward", "gold reward (held-out)"), ("rm_reward", "RM reward (held-out)")):
+            pts = [(r["iteration"], r[key]) for r in self.rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_ylabel("mean reward")
+        kl = [(r["iteration"], r["kl"]) for r in self.rows if r.get("kl") is not None]
+        if kl:
+            ax2.plot(*zip(*kl), marker="o", color="tab:red", label="KL(policy || ref) per token")
+        ax2.set_ylabel("KL per token", color="tab:red")
+        length = [(r["iteration"], r["response_length"]) for r in self.rows if r.get("response_length") is not None]
+        if length:
+            twin = ax2.twinx()
+            twin.plot(*zip(*length), marker="s", linestyle="--", color="tab:gray", label="response length")
+            twin.set_ylabel("mean response tokens", color="tab:gray")
+        for a in (ax, ax2):
+            a.set_xticks([r["iteration"] for r in self.rows])
+            a.set_xlabel("iteration (0 = before RLHF)")
+            a.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{self.flow}: {self.run_uri.rsplit('/', 1)[-1]}")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
+        self.png = buf.getvalue()
+        store.check_fence()
+        with fs.open(store.join(path, "reward.png"), "wb") as f:
+            f.write(self.png)
+
+    def _prefect_artifacts(self) -> None:
+        from prefect.artifacts import create_markdown_artifact, create_table_artifact
+        from prefect.context import FlowRunContext
+
+        if FlowRunContext.get() is None:
+            return
+        import base64
+
+        key = self.flow.replace("_", "-")
+        cols = columns(self.rows)
+        table = [{c: (round(r[c], 4) if isinstance(r.get(c), float) else r.get(c)) for c in cols} for r in self.rows]
+        create_table_artifact(table, key=f"{key}-iterations", description=f"{self.flow}: per-iteration metrics")
+        md = [f"# {self.flow} — `{self.run_uri}`", f"Stop reason: **{self.stop_reason}**", "",
+              f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
+        md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
+        create_markdown_artifact("\n".join(md), key=f"{key}-report", description="every artifact of the run")
+        # The image inline (a data: URI): the UI cannot open the store's file:// or s3:// URL of reward.png.
+        create_markdown_artifact(f"![reward, KL and length per iteration](data:image/png;base64,"
+                                 f"{base64.b64encode(self.png).decode()})\n\nFile: `{self.run_uri}/reward.png`",
+                                 key=f"{key}-plot", description="reward, KL and response length per iteration")
+
+
+# What a user watches first (gold / RM reward, KL, length), then the loop's own numbers; stage timings last.
+FIRST = ("iteration", "gold_reward", "gold_reward_low", "rm_reward", "rm_reward_low", "kl", "response_length", "samples", "kept", "ties_dropped",
+         "train_rm_reward")
+
+
+def columns(rows: list[dict]) -> list[str]:
+    """Report columns in reading order: FIRST, then the rest alphabetically, then `*_s` timings."""
+    present = {k for r in rows for k, v in r.items() if not isinstance(v, dict)}
+    rest = sorted(present - set(FIRST), key=lambda c: (c.endswith("_s"), c))
+    return [c for c in FIRST if c in present] + rest

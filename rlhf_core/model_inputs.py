@@ -1,0 +1,177 @@
+"""Model inputs: what a stage gets when a config names a model (a committed artifact or a plain Hugging Face
+folder on any fsspec URI). `model_manifest` checks a folder up front and gives it a content fingerprint,
+`fetch_model` downloads it once per machine into the cache (keyed by content), and an adapter-only artifact
+(LoRA trained with `lora_merge=false`) is merged there into the base its lineage names.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from fsspec.implementations.local import LocalFileSystem
+
+from rlhf_core import models, store, versions
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _sha256_file(path: str) -> str:
+    """sha256 of a local file, remembered under the cache by (path, size, mtime) so an 8B folder is hashed
+    once per machine, not once per stage."""
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = store.cache_root() / "sha256" / key
+    if memo.exists():
+        return memo.read_text()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(h.hexdigest())
+    return h.hexdigest()
+
+
+def _content_id(fs, name: str, info: dict) -> str:
+    """A content hash of one file: sha256 for local files, the object store's ETag (an MD5 of the content,
+    or of its parts) where there is one, else sha256 of the bytes."""
+    if isinstance(fs, LocalFileSystem):
+        return "sha256:" + _sha256_file(name)
+    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+    if etag:
+        return f"etag:{str(etag).strip(chr(34))}"
+    h = hashlib.sha256()
+    with fs.open(name, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def model_manifest(uri: str, storage_options: dict | None = None) -> store.Manifest:
+    """Lineage entry of a model input: its manifest if it is a committed artifact, else a plain Hugging Face
+    folder (what `save_pretrained` writes) on any fsspec URI, checked up front and entered as a `source`
+    whose fingerprint hashes its files' content: a changed folder changes every downstream fingerprint."""
+    uri = str(uri)
+    if store.committed_any(uri, storage_options):
+        return store.read_manifest(uri, storage_options=storage_options)
+    if "://" not in uri and _HUB_ID.match(uri) and not Path(uri).exists():
+        raise models.ModelInputError(f"model {uri!r} looks like a Hugging Face hub id: there is no hub access here; "
+                              f"download it and pass the folder (a local path or s3://...)")
+    fs, path = store.filesystem(uri, storage_options)
+    if not fs.isdir(path):
+        raise models.ModelInputError(f"model {uri} is neither a committed artifact nor a folder (it does not exist)")
+    root = path.rstrip("/")
+    infos = {n[len(root) + 1:]: i for n, i in fs.find(root, detail=True).items()
+             if not any(part.startswith(".") for part in n[len(root) + 1:].split("/"))}  # skip .cache/ and the like
+    names = set(infos)
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json")
+    if not any(fnmatch.fnmatch(n, pat) for n in names for pat in models.WEIGHTS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not names & set(models.TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({', '.join(models.TOKENIZER_FILES)})")
+    if missing:
+        raise models.ModelInputError(f"model folder {uri} lacks {' and '.join(missing)}: pass a folder written by "
+                              f"save_pretrained (model and tokenizer)")
+    content = [[rel, infos[rel].get("size"), _content_id(fs, store.join(root, rel), infos[rel])] for rel in sorted(infos)]
+    return store.Manifest(stage="source", fingerprint=store.fingerprint("model-folder", {"files": content}), uri=uri,
+                    files=[{"path": rel, "size": size} for rel, size, _ in content], config={"content": content})
+
+
+def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tuple[str, ...] | None = None,
+                manifest: store.Manifest | None = None, merge: bool = True) -> Path:
+    """A local directory holding the model at `uri` (a committed artifact or a plain HF folder), downloaded
+    once per machine into a cache keyed by content: a plain folder's content hash, or a committed
+    artifact's fingerprint + created_at + file list (a rewritten artifact gets a new entry). Local inputs are
+    used in place. This is where every stage gets its models, so an adapter-only artifact (LoRA trained
+    with `lora_merge=false`) is merged here into the base its lineage names (`merge=False`: its raw files)."""
+    m = manifest or model_manifest(uri, storage_options)
+    stages = (stage,) if isinstance(stage, str) else stage
+    if stages and m.stage != "source" and m.stage not in stages:
+        raise store.StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")
+    local = _fetch_files(uri, m, storage_options)
+    if merge and m.stage != "source" and models.adapter_only([f["path"] for f in m.files]):
+        return _merged_model(uri, local, m, storage_options)
+    return local
+
+
+def _fetch_files(uri: str, m: store.Manifest, storage_options: dict | None) -> Path:
+    fs, path = store.filesystem(uri, storage_options)
+    if isinstance(fs, LocalFileSystem):
+        return Path(path)
+    key = m.fingerprint if m.stage == "source" else hashlib.sha256(json.dumps(
+        [m.fingerprint, m.created_at, m.files], sort_keys=True).encode()).hexdigest()[:24]
+    dest = store.cache_root() / "models" / key
+    if (dest / store.MANIFEST).exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
+    try:
+        for f in m.files:
+            target = tmp / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(store.join(path, f["path"]), str(target))
+        (tmp / store.MANIFEST).write_text(m.to_json())
+        _publish(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def adapter_base(m: store.Manifest, storage_options: dict | None = None) -> store.Manifest:
+    """The model an adapter-only artifact was trained from: its lineage's `policy` (sft, dpo) or `base`
+    (train_rm) input, at the version the adapter was trained on (a changed base is kept under _versions/)."""
+    src = next((i for i in m.inputs if i["name"] in ("policy", "base")), None)
+    if src is None:
+        raise models.ModelInputError(f"{m.uri}: its adapter's lineage names no base model (inputs: "
+                              f"{', '.join(i['name'] for i in m.inputs) or 'none'}): merge it with "
+                              f"`rlhf-flows stage lora_combine model_uri={m.uri} base_uri=... output_uri=...`")
+    if src["stage"] == "source":
+        base = model_manifest(src["uri"], storage_options)
+        if base.fingerprint != src["fingerprint"]:
+            raise models.ModelInputError(f"{m.uri}: its base model folder {src['uri']} changed since the adapter was trained "
+                                  f"on it: merge it with `rlhf-flows stage lora_combine base_uri=...` naming that base")
+        return base
+    try:
+        return versions.read_version(src["uri"], src["fingerprint"], storage_options)
+    except (store.NotCommittedError, FileNotFoundError):
+        raise models.ModelInputError(f"{m.uri}: the base model its adapter was trained on ({src['uri']}, fingerprint "
+                              f"{src['fingerprint']}) is no longer in the store") from None
+
+
+def _merged_model(uri: str, artifact_dir: Path, m: store.Manifest, storage_options: dict | None) -> Path:
+    """Base + adapter merged once per machine into the cache, keyed by the artifact and its base."""
+    base = adapter_base(m, storage_options)
+    key = "merged-" + hashlib.sha256(json.dumps([m.fingerprint, m.created_at, m.files, base.fingerprint],
+                                                sort_keys=True).encode()).hexdigest()[:24]
+    dest = store.cache_root() / "models" / key
+    if (dest / store.MANIFEST).exists():
+        return dest
+    base_dir = fetch_model(base.uri, storage_options, manifest=base)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
+    try:
+        models.merge_adapter(base_dir, artifact_dir, tmp, rm_stats=m.metrics)
+        (tmp / store.MANIFEST).write_text(m.to_json())
+        _publish(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+

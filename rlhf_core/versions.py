@@ -1,0 +1,62 @@
+"""Versions of an artifact: a changed config moves the committed version to `{prefix}/_versions/{fingerprint}/`
+(rlhf_core/store.py's writer does that in `begin()`), so a downstream manifest's (uri, fingerprint) still
+resolves here (`read_version`); `versions` lists them and `prune_versions` (`rlhf-flows gc`) is the only
+code that deletes one.
+"""
+from __future__ import annotations
+
+from rlhf_core import store
+
+
+def read_version(uri: str, fp: str, storage_options: dict | None = None) -> store.Manifest:
+    """The version of artifact `uri` with fingerprint `fp`: the current one, or one kept under _versions/.
+    This is how a downstream manifest's input (uri, fingerprint) resolves after its input changed."""
+    try:
+        m = store.read_manifest(uri, storage_options=storage_options)
+        if m.fingerprint == fp:
+            return m
+    except store.NotCommittedError:
+        pass
+    return store.read_manifest(store.join(uri, store.VERSIONS, fp), storage_options=storage_options)
+
+
+def versions(uri: str, storage_options: dict | None = None) -> list[store.Manifest]:
+    """Previous committed versions of `uri` kept under _versions/, newest first."""
+    fs, path = store.filesystem(uri, storage_options)
+    vdir = store.join(path, store.VERSIONS)
+    out = []
+    if fs.exists(vdir):
+        for p in fs.ls(vdir, detail=False):
+            name = p.rstrip("/").rsplit("/", 1)[-1]
+            try:
+                out.append(store.read_manifest(store.join(uri, store.VERSIONS, name), storage_options=storage_options))
+            except store.NotCommittedError:
+                pass
+    return sorted(out, key=lambda m: m.finished_at, reverse=True)
+
+
+def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> list[str]:
+    """Delete all but the `keep` newest versions of artifact `uri` (the current one counts and always stays),
+    and any half-archived version folder (one without a manifest: under the artifact's lease no writer is
+    archiving it). Each version's manifest goes first, so no manifest ever names deleted files.
+    Returns the URIs removed."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1 (the current version always stays)")
+    fs, path = store.filesystem(uri, storage_options)
+    vdir = store.join(path, store.VERSIONS)
+    if not fs.exists(vdir):
+        return []
+    removed = []
+    with store.artifact_lease(fs, path, uri, storage_options):
+        kept = {m.fingerprint for m in versions(uri, storage_options)[: keep - 1]}
+        for p in fs.ls(vdir, detail=False):
+            name = p.rstrip("/").rsplit("/", 1)[-1]
+            if name not in kept:
+                store.check_fence()
+                if fs.exists(store.join(vdir, name, store.MANIFEST)):
+                    fs.rm(store.join(vdir, name, store.MANIFEST))
+                fs.rm(store.join(vdir, name), recursive=True)
+                removed.append(store.join(uri, store.VERSIONS, name))
+        if not fs.ls(vdir, detail=False):
+            fs.rm(vdir, recursive=True)
+    return removed
