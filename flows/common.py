@@ -50,6 +50,7 @@ def demo_inputs(root: str, run_name: str, seed: int = 0, storage_options: dict |
         uris[name] = store.join(base, f"{name}.jsonl")
         target = store.join(path, f"{name}.jsonl")
         if not fs.exists(target):  # deterministic content; rewriting would only change the mtime-based lineage
+            store.check_fence()
             with fs.open(target + ".tmp", "w") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
             fs.mv(target + ".tmp", target)

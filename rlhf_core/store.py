@@ -7,9 +7,13 @@ code version) is what makes a rerun skip finished work: a stage whose output alr
 the same fingerprint returns it untouched.
 
 Versions: the current version lives at the prefix itself (an HF folder `from_pretrained` reads). A changed
-config first moves the committed version to `{prefix}/_versions/{fingerprint}/` (with its manifest), so a
-model that took days is never destroyed and a downstream manifest's (uri, fingerprint) still resolves
-(`read_version`). Only `prune_versions` (`rlhf-flows gc URI --keep N`) deletes versions. A writer owns only
+config first keeps the committed version as `{prefix}/_versions/{fingerprint}/` (its manifest, written last),
+so a model that took days is never destroyed and a downstream manifest's (uri, fingerprint) still resolves
+(`read_version`, rlhf_core/versions.py). Keeping moves nothing large: on a local disk the files are hard
+links; on an S3 bucket with versioning enabled the version stays in place (its manifest names each root
+object's version id, `files_at`); only an unversioned bucket pays a server-side copy (logged once per bucket).
+A config reverted to a kept fingerprint restores that version instead of redoing the work (`existing`).
+Only `prune_versions` (`rlhf-flows gc URI --keep N`) deletes versions. A writer owns only
 what it wrote: `_MANIFEST.json`, `_versions/`, `checkpoints/`, `_job/`, the files its manifests list and the names its
 journal `_WRITING.json` recorded before writing them; any other file under `output_uri` is refused by name.
 
@@ -22,11 +26,13 @@ actor arguments. Secrets never enter a manifest, a log line or an error message 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import socket
 import uuid
@@ -42,6 +48,7 @@ import pyarrow.parquet as pq
 from rlhf_core import locks
 from rlhf_core.locks import LockLost  # noqa: F401  (raised by every write of a process that lost its lock)
 
+log = logging.getLogger("rlhf_flows")
 MANIFEST = "_MANIFEST.json"
 # Bump when the meaning of a stage's output changes: it changes every fingerprint, so old artifacts rerun.
 CODE_VERSION = "2026.11.1"
@@ -204,6 +211,7 @@ class Manifest:
     finished_at: str = ""
     host: str = ""
     code_version: str = CODE_VERSION
+    files_at: str = ""  # "": under `uri`; "..": a version kept in place, its files at the artifact's root by version_id
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True, default=str)
@@ -251,6 +259,49 @@ def read_manifest(uri: str, stage: str | tuple[str, ...] | None = None, storage_
         raise StageMismatchError(f"{uri} was made by stage {m.stage!r}, expected {' or '.join(map(repr, stages))}")
     m.uri = str(uri)
     return m
+
+
+def file_location(m: Manifest, f: dict) -> tuple[str, str | None]:
+    """(URI, S3 version id or None) of the file entry `f` of manifest `m`."""
+    base = m.uri.rsplit("/", 2)[0] if m.files_at else m.uri  # {root}/_versions/{fp} -> {root}
+    return join(base, f["path"]), f.get("version_id")
+
+
+def _versioned_fs(uri: str, version_id: str | None, storage_options: dict | None):
+    return filesystem(uri, {**(storage_options or {}), "version_aware": True} if version_id else storage_options)
+
+
+def get_file(m: Manifest, f: dict, dest: str, storage_options: dict | None = None) -> None:
+    """Download one file of a manifest (a kept-in-place version's by its version id)."""
+    uri, vid = file_location(m, f)
+    fs, path = _versioned_fs(uri, vid, storage_options)
+    fs.get_file(path, dest, **({"version_id": vid} if vid else {}))
+
+
+def cat_file(m: Manifest, f: dict, storage_options: dict | None = None) -> bytes:
+    uri, vid = file_location(m, f)
+    fs, path = _versioned_fs(uri, vid, storage_options)
+    return fs.cat_file(path, **({"version_id": vid} if vid else {}))
+
+
+_VERSIONING: dict = {}  # (endpoint, bucket) -> whether S3 keeps object versions there
+
+
+def bucket_versioned(fs, path: str) -> bool:
+    """Whether `path` is on an S3 bucket with versioning enabled (asked once per bucket)."""
+    if type(fs).__name__ != "S3FileSystem":
+        return False
+    bucket = path.split("/", 1)[0]
+    key = (str((getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")), bucket)
+    if key not in _VERSIONING:
+        try:
+            _VERSIONING[key] = fs.call_s3("get_bucket_versioning", Bucket=bucket).get("Status") == "Enabled"
+        except Exception:  # noqa: BLE001  no permission to ask: behave as unversioned (copies, still correct)
+            _VERSIONING[key] = False
+        if not _VERSIONING[key]:
+            log.info("bucket %s has no versioning: keeping a previous version of an artifact copies it server-side; "
+                     "enable bucket versioning and versions are kept in place for free", bucket)
+    return _VERSIONING[key]
 
 
 def write_atomic(fs, path: str, text: str) -> None:
@@ -314,7 +365,39 @@ class ArtifactWriter:
         self._journal: set[str] = set()
 
     def existing(self) -> Manifest | None:
-        return committed(self.uri, self.fingerprint, self.storage_options)
+        """The committed artifact with this fingerprint: the current one, or a kept version brought back (a
+        config reverted to one that ran before restores its output instead of redoing the work)."""
+        return committed(self.uri, self.fingerprint, self.storage_options) or self._restore()
+
+    def _restore(self) -> Manifest | None:
+        fs, vpath = self.fs, join(self.path, VERSIONS, self.fingerprint)
+        if not fs.exists(join(vpath, MANIFEST)):
+            return None
+        self.begin()  # the current version is kept in turn, the root un-committed (under the lease)
+        with self.lease():
+            try:
+                kept = read_manifest(join(self.uri, VERSIONS, self.fingerprint), storage_options=self.storage_options)
+            except NotCommittedError:
+                return None  # pruned meanwhile
+            for f in kept.files:
+                check_fence()
+                src, vid = file_location(kept, f)
+                dst = join(self.path, f["path"])
+                if isinstance(fs, LocalFileSystem):
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    os.link(filesystem(src)[1], dst)
+                else:  # server-side (multipart above 5 GB), from the kept object version where there is one
+                    vfs, path = _versioned_fs(src, vid, self.storage_options)
+                    vfs.copy(path + (f"?versionId={vid}" if vid else ""), dst)
+            m = dataclasses.replace(kept, uri=self.uri, files_at="",
+                                    files=[{k: v for k, v in f.items() if k != "version_id"} for f in kept.files])
+            self._write_manifest(m)
+            fs.rm(join(vpath, MANIFEST))  # now current: the kept copy goes (manifest first, as gc does)
+            if not kept.files_at:
+                fs.rm(vpath, recursive=True)
+        log.info("%s: restored the version with fingerprint %s (finished %s) kept under %s/ instead of redoing it",
+                 self.uri, self.fingerprint, m.finished_at, VERSIONS)
+        return m
 
     def begin(self) -> None:
         """Before writing: refuse a prefix holding files we did not write (naming them); move a committed
@@ -353,20 +436,28 @@ class ArtifactWriter:
         return artifact_lease(self.fs, self.path, self.uri, self.storage_options)
 
     def _archive(self, old: Manifest) -> None:
-        """Copy the committed version under _versions/{fingerprint}/, its manifest LAST (then it counts)."""
+        """Keep the committed version as _versions/{fingerprint}/, its manifest LAST (then it counts): hard
+        links on a local disk, in place on a versioned S3 bucket (the root objects' current version ids),
+        else a server-side copy."""
         fs, vpath = self.fs, join(self.path, VERSIONS, old.fingerprint)
         if fs.exists(join(vpath, MANIFEST)):
             return
+        in_place = bucket_versioned(fs, self.path)
         for f in old.files:
             check_fence()
             src, dst = join(self.path, f["path"]), join(vpath, f["path"])
-            if isinstance(fs, LocalFileSystem):
+            if in_place:  # the bytes stay where they are: begin() then only hides them behind a delete marker
+                bucket, key = src.split("/", 1)
+                f["version_id"] = fs.call_s3("head_object", Bucket=bucket, Key=key)["VersionId"]
+            elif isinstance(fs, LocalFileSystem):
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 if not os.path.exists(dst):
                     os.link(src, dst)  # a hard link: no copy; the root's name is removed after, the bytes stay
             else:
                 fs.copy(src, dst)  # server-side copy: no bytes through this machine
+        old.files_at = ".." if in_place else ""
         old.uri = join(self.uri, VERSIONS, old.fingerprint)
+        check_fence()
         write_atomic(fs, join(vpath, MANIFEST), old.to_json())
 
     def _read_journal(self) -> set[str]:
@@ -428,12 +519,15 @@ class ArtifactWriter:
             schema=self.schema, metrics=metrics or {}, config=self.config, created_at=self.created_at,
             finished_at=_now(), host=socket.gethostname(),
         )
+        self._write_manifest(m)
+        return m
+
+    def _write_manifest(self, m: Manifest) -> None:
         check_fence()
         with _space(self.uri, MANIFEST):
             write_atomic(self.fs, join(self.path, MANIFEST), m.to_json())  # LAST, in one step: this is the commit
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(join(self.path, JOURNAL))
-        return m
 
 
 @contextlib.contextmanager
@@ -449,18 +543,17 @@ def _space(uri: str, name: str) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def table_files(m: Manifest) -> list[str]:
-    return [join(m.uri, f["path"]) for f in m.files if f["path"].endswith(".parquet")]
+def table_files(m: Manifest) -> list[dict]:
+    return [f for f in m.files if f["path"].endswith(".parquet")]
 
 
 def read_table(uri: str, stage: str | tuple[str, ...] | None = None, storage_options: dict | None = None,
                columns: list[str] | None = None) -> pa.Table:
     """All parquet files of a committed dataset artifact, concatenated."""
     m = read_manifest(uri, stage, storage_options)
-    fs, _ = filesystem(uri, storage_options)
     tables = []
     for f in table_files(m):  # one GET per file: parquet's footer-then-columns range reads cost a round trip each
-        tables.append(pq.read_table(io.BytesIO(fs.cat_file(filesystem(f, storage_options)[1])), columns=columns))
+        tables.append(pq.read_table(io.BytesIO(cat_file(m, f, storage_options)), columns=columns))
     if not tables:
         raise ArtifactError(f"{uri} holds no parquet file")
     return pa.concat_tables(tables)
@@ -469,9 +562,10 @@ def read_table(uri: str, stage: str | tuple[str, ...] | None = None, storage_opt
 def iter_batches(uri: str, batch_size: int = 65536, storage_options: dict | None = None) -> Iterator[pa.RecordBatch]:
     """Stream a dataset artifact batch by batch (for files larger than memory)."""
     m = read_manifest(uri, storage_options=storage_options)
-    fs, _ = filesystem(uri, storage_options)
     for f in table_files(m):
-        with fs.open(filesystem(f, storage_options)[1], "rb") as fh:
+        where, vid = file_location(m, f)
+        fs, path = _versioned_fs(where, vid, storage_options)
+        with fs.open(path, "rb", **({"version_id": vid} if vid else {})) as fh:
             yield from pq.ParquetFile(fh).iter_batches(batch_size=batch_size)
 
 

@@ -48,15 +48,24 @@ def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> 
         return []
     removed = []
     with store.artifact_lease(fs, path, uri, storage_options):
-        kept = {m.fingerprint for m in versions(uri, storage_options)[: keep - 1]}
+        kept_all = versions(uri, storage_options)
+        kept = {m.fingerprint for m in kept_all[: keep - 1]}
+        by_name = {m.fingerprint: m for m in kept_all}
         for p in fs.ls(vdir, detail=False):
             name = p.rstrip("/").rsplit("/", 1)[-1]
-            if name not in kept:
-                store.check_fence()
-                if fs.exists(store.join(vdir, name, store.MANIFEST)):
-                    fs.rm(store.join(vdir, name, store.MANIFEST))
+            if name in kept:
+                continue
+            store.check_fence()
+            m = by_name.get(name)
+            if m is not None:
+                fs.rm(store.join(vdir, name, store.MANIFEST))
+                for f in m.files if m.files_at else ():  # kept in place: its object versions at the root
+                    bucket, key = store.join(path, f["path"]).split("/", 1)
+                    fs.call_s3("delete_object", Bucket=bucket, Key=key, VersionId=f["version_id"])
+            if fs.exists(store.join(vdir, name)):
                 fs.rm(store.join(vdir, name), recursive=True)
-                removed.append(store.join(uri, store.VERSIONS, name))
-        if not fs.ls(vdir, detail=False):
-            fs.rm(vdir, recursive=True)
+            removed.append(store.join(uri, store.VERSIONS, name))
+        if not fs.exists(vdir) or not fs.ls(vdir, detail=False):
+            if fs.exists(vdir):
+                fs.rm(vdir, recursive=True)
     return removed

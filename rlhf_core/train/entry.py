@@ -265,6 +265,10 @@ def save_checkpoint(engine, spec: dict, step: int, history: list, rank: int, wor
 
 def main(spec_ref: str) -> None:
     spec = job_spec(spec_ref)
+    if spec.get("fence"):  # the run lock of the flow that launched us, also on nodes that did not inherit its env
+        from rlhf_core import store
+
+        os.environ.setdefault(store.FENCE_ENV, spec["fence"])
     deepspeed, rank, world, cuda = init_distributed()
     import pyarrow.parquet as pq
     import torch.distributed as dist

@@ -194,6 +194,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
     job_uri = store.join(w.uri, "_job")
     fs, job_path = store.filesystem(job_uri, cfg.storage_options)
     fs.makedirs(job_path, exist_ok=True)
+    store.check_fence()
     fs.put_file(str(work / "data.parquet"), store.join(job_path, "data.parquet"))
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
@@ -205,7 +206,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
             "pad_id": models.pad_id(tokenizer, model_dir), "resume_dir": str(resume_dir) if resume_dir else None,
             "resume_uri": meta["uri"] if meta else None, "resume": meta, "step_sleep": cfg.debug_step_sleep,
             "model_uri": model_uri or str(model_dir), "data_uri": store.join(job_uri, "data.parquet"),
-            "launch_cache": str(store.cache_root()),
+            "launch_cache": str(store.cache_root()), "fence": os.environ.get(store.FENCE_ENV),
             "tracking": {"tensorboard": cfg.use_tensorboard, "wandb": cfg.use_wandb, "project": cfg.wandb_project,
                          "run_name": cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]), "config": cfg.semantic()}
             if cfg.use_tensorboard or cfg.use_wandb else None}
@@ -213,6 +214,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
     with os.fdopen(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(json.dumps(spec, default=list))
     spec_uri = store.join(job_uri, "spec.json")
+    store.check_fence()
     fs.put_file(str(spec_path), store.join(job_path, "spec.json"))
     cmd = jobs.launcher_command("rlhf_core.train.entry", [spec_uri], cfg.launcher, cfg.num_gpus, cfg.num_nodes,
                                 cfg.hostfile, cfg.master_port, cfg.master_addr)
@@ -225,8 +227,12 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
                      what=f"{method} training for {w.uri}")
     finally:
         spec_path.unlink(missing_ok=True)
-        if fs.exists(job_path):
-            fs.rm(job_path, recursive=True)
+        try:
+            store.check_fence()  # a run that lost its lock leaves _job/ alone: the new holder's job may use it
+            if fs.exists(job_path):
+                fs.rm(job_path, recursive=True)
+        except store.LockLost as e:
+            log.error("%s", e)
     result_path = work / "result.json"
     if not result_path.exists():
         raise TrainingIncomplete(f"training job for {w.uri} exited 0 but wrote no result.json: not committed")
