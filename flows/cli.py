@@ -5,6 +5,7 @@
     rlhf-flows stage STAGE --config FILE [key=value ...]   one stage alone (prepare, generate, score, ...)
     rlhf-flows show URI                                    an artifact's manifest and lineage, or a run
     rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
+    rlhf-flows gc --cache-max-gb X                         shrink this machine's model cache to X GB (LRU first)
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
 
 `--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
@@ -178,14 +179,42 @@ def show(uri: str) -> str:
     return "\n".join(out)
 
 
-def gc(uri: str, keep: int) -> str:
-    """The `gc` command: prune old versions of the artifact at `uri`, or of every artifact under it."""
-    fs, path = store.filesystem(uri.rstrip("/"))
-    arts = [uri.rstrip("/") + p[len(path):-len(store.MANIFEST) - 1] for p in sorted(fs.find(path))
-            if p.endswith("/" + store.MANIFEST) and f"/{store.VERSIONS}/" not in p]
-    removed = [r for a in arts for r in versions.prune_versions(a, keep)]
-    return "\n".join([f"removed {r}" for r in removed] + [f"{len(removed)} versions removed, {len(arts)} artifacts kept "
-                                                          f"their {keep} newest"])
+def gc(uri: str | None, keep: int | None, cache_max_gb: float | None = None) -> str:
+    """The `gc` command: prune old versions of the artifact at `uri`, or of every artifact under it, and/or
+    this machine's model cache down to `cache_max_gb` (least recently used entries first)."""
+    if (uri is None) != (keep is None):
+        raise ValueError("gc URI needs --keep N, and --keep N needs a URI")
+    if uri is None and cache_max_gb is None:
+        raise ValueError("gc needs URI --keep N (old versions), --cache-max-gb X (the model cache), or both")
+    if cache_max_gb is not None and cache_max_gb < 0:
+        raise ValueError(f"--cache-max-gb must be >= 0, got {cache_max_gb}")
+    out = []
+    if uri is not None:
+        fs, path = store.filesystem(uri.rstrip("/"))
+        arts = [uri.rstrip("/") + p[len(path):-len(store.MANIFEST) - 1] for p in sorted(fs.find(path))
+                if p.endswith("/" + store.MANIFEST) and f"/{store.VERSIONS}/" not in p]
+        removed = [r for a in arts for r in versions.prune_versions(a, keep)]
+        out += [f"removed {r}" for r in removed] + [f"{len(removed)} versions removed, {len(arts)} artifacts kept "
+                                                    f"their {keep} newest"]
+    if cache_max_gb is not None:
+        from datetime import datetime
+
+        from rlhf_core import model_inputs
+
+        limit = int(cache_max_gb * 1e9)
+        entries, left = model_inputs.prune_cache(limit)
+        out += [f"removed {p} ({_size(n)}, last used {datetime.fromtimestamp(t):%Y-%m-%d %H:%M})" for p, n, t in entries]
+        still = " (still over it: the rest is in use, used or downloaded in the last hour)" if left > limit else ""
+        out.append(f"model cache {store.cache_root() / 'models'}: {len(entries)} entries removed, "
+                   f"{_size(sum(n for _, n, _ in entries))} freed, {_size(left)} left, limit {cache_max_gb:g} GB{still}")
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 @contextmanager
@@ -244,9 +273,14 @@ def parser() -> argparse.ArgumentParser:
                        help="without a terminal: one progress line every SECONDS (a terminal gets a bar)")
     sh = sub.add_parser("show", parents=[debug], help="print an artifact's manifest and lineage, or a run's iterations")
     sh.add_argument("uri")
-    g = sub.add_parser("gc", parents=[debug], help="delete all but the N newest versions of each artifact under URI")
-    g.add_argument("uri")
-    g.add_argument("--keep", type=int, required=True, help="versions to keep per artifact, the current one included (>= 1)")
+    g = sub.add_parser("gc", parents=[debug], help="delete all but the N newest versions of each artifact under URI, "
+                                                   "and/or shrink this machine's model cache")
+    g.add_argument("uri", nargs="?", help="artifact or run folder whose old versions to delete (with --keep)")
+    g.add_argument("--keep", type=int, help="versions to keep per artifact, the current one included (>= 1)")
+    g.add_argument("--cache-max-gb", type=float, metavar="X",
+                   help="delete least recently used entries of the model cache (RLHF_FLOWS_CACHE, default "
+                        "~/.cache/rlhf-flows, models/) until it holds at most X GB; entries used in the last "
+                        "hour and downloads in progress are kept")
     rm = sub.add_parser("serve-rm", parents=[debug], help="serve a reward model over HTTP (the score stage's remote_rm_url)")
     rm.add_argument("model", help="committed reward-model artifact or plain HF folder (any fsspec URI)")
     rm.add_argument("--host", default="127.0.0.1")
@@ -315,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(a.model, a.host, a.port, batch_size=a.batch_size, max_len=a.max_len,
                          normalize=a.normalize_reward, value_head_prefix=a.value_head_prefix)
-        print(gc(a.uri, a.keep) if a.cmd == "gc" else show(a.uri))
+        print(gc(a.uri, a.keep, a.cache_max_gb) if a.cmd == "gc" else show(a.uri))
         return 0
     except expected_errors() as e:
         if getattr(a, "debug", False):

@@ -1,7 +1,27 @@
 """Model inputs: what a stage gets when a config names a model (a committed artifact or a plain Hugging Face
 folder on any fsspec URI). `model_manifest` checks a folder up front and gives it a content fingerprint,
 `fetch_model` downloads it once per machine into the cache (keyed by content), and an adapter-only artifact
-(LoRA trained with `lora_merge=false`) is merged there into the base its lineage names.
+(LoRA trained with `lora_merge=false`) is merged there into the base its lineage names. `prune_cache` keeps
+that cache under a size (`rlhf-flows gc --cache-max-gb X`), least recently used entries first.
+
+What a plain folder contributes is what transformers, vLLM and peft read from it, nothing else: a hub
+download also carries Meta's `original/` (consolidated.*.pth, params.json, tokenizer.model for Meta's own
+code), the same weights in other formats (pytorch_model.bin next to model.safetensors, tf_model.h5,
+flax_model.msgpack, *.onnx, *.gguf) and Mistral's consolidated.safetensors next to the shards its index
+names. Fetching those doubles an 8B download, and fingerprinting them reruns stages over a file none reads.
+Fetched and fingerprinted (`loaded_files`), root files only:
+  weights   *.safetensors (with an index, only the shards it names: what transformers and vLLM load), or,
+            only where there are none, pytorch_model*.bin + its index, which the check then refuses: the
+            training loaders read safetensors only (use_safetensors=True);
+  *.json    config.json, generation_config.json, tokenizer_config.json, tokenizer.json,
+            special_tokens_map.json, added_tokens.json, adapter_config.json, preprocessor_config.json, ...
+            (the index of a weight format not loaded excepted);
+  tokenizer vocabularies and templates: *.model (sentencepiece), *.txt (vocab.txt, merges.txt), *.tiktoken,
+            *.spm, bpe.codes, tokenizer.model.v*, chat_template.jinja, additional_chat_templates/*.jinja;
+  *.py      custom code (trust_remote_code).
+Not fetched: other subfolders (original/, .cache/), other frameworks' weights (*.pth, *.pt, *.h5, *.msgpack,
+*.onnx, *.gguf, *.ckpt), training_args.bin, README.md, images. A committed artifact is fetched whole (the
+project wrote it).
 """
 from __future__ import annotations
 
@@ -12,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
@@ -70,19 +91,49 @@ def model_manifest(uri: str, storage_options: dict | None = None) -> store.Manif
     infos = {n[len(root) + 1:]: i for n, i in fs.find(root, detail=True).items()
              if not any(part.startswith(".") for part in n[len(root) + 1:].split("/"))}  # skip .cache/ and the like
     names = set(infos)
+    loaded = loaded_files(names, lambda rel: json.loads(fs.cat_file(store.join(root, rel))), uri)
     missing = []
     if "config.json" not in names:
         missing.append("config.json")
-    if not any(fnmatch.fnmatch(n, pat) for n in names for pat in models.WEIGHTS):
-        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    bins = [n for n in loaded if n.endswith(".bin")]
+    if not bins and not any(n.endswith(".safetensors") for n in loaded):
+        missing.append("weights (*.safetensors)")
     if not names & set(models.TOKENIZER_FILES):
         missing.append(f"a tokenizer ({', '.join(models.TOKENIZER_FILES)})")
     if missing:
         raise models.ModelInputError(f"model folder {uri} lacks {' and '.join(missing)}: pass a folder written by "
                               f"save_pretrained (model and tokenizer)")
-    content = [[rel, infos[rel].get("size"), _content_id(fs, store.join(root, rel), infos[rel])] for rel in sorted(infos)]
+    if bins:
+        raise models.ModelInputError(
+            f"model folder {uri} holds only PyTorch .bin weights ({', '.join(bins[:3])}{', ...' if len(bins) > 3 else ''}): "
+            f"the stages load safetensors (transformers' use_safetensors=True); convert it once with "
+            f"`AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)` "
+            f"(AutoModelForSequenceClassification for a reward model): the .bin files are then ignored")
+    content = [[rel, infos[rel].get("size"), _content_id(fs, store.join(root, rel), infos[rel])] for rel in loaded]
     return store.Manifest(stage="source", fingerprint=store.fingerprint("model-folder", {"files": content}), uri=uri,
                     files=[{"path": rel, "size": size} for rel, size, _ in content], config={"content": content})
+
+
+_ROOT_FILES = ("*.json", "*.py", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.spm", "*.codes", "tokenizer.model.v*")
+
+
+def loaded_files(names: set[str], read_json, where: str) -> list[str]:
+    """The files of a plain folder (relative names) that the loaders read, sorted (see the module docstring).
+    `read_json(rel)`: a weight index's content, read only when there is one."""
+    root = {n for n in names if "/" not in n}
+    fmt = ".safetensors" if any(n.endswith(".safetensors") for n in root) else ".bin"
+    weights = {n for n in root if n.endswith(".safetensors")} if fmt == ".safetensors" else \
+        {n for n in root if fnmatch.fnmatch(n, "pytorch_model*.bin") or n == "adapter_model.bin"}
+    indexes = {n for n in root if n.endswith(f"{fmt}.index.json")}
+    if indexes:  # sharded: the shards the index names (not consolidated.safetensors beside them), and the adapter
+        shards = {s for i in indexes for s in read_json(i).get("weight_map", {}).values()}
+        if shards - root:
+            raise models.ModelInputError(f"model folder {where} lacks {', '.join(sorted(shards - root))}, named by "
+                                         f"{', '.join(sorted(indexes))}")
+        weights = {n for n in weights if n in shards or n.startswith("adapter_model.")}
+    other = {n for n in root if any(fnmatch.fnmatch(n, p) for p in _ROOT_FILES) and not n.endswith(".index.json")}
+    templates = {n for n in names if re.fullmatch(r"additional_chat_templates/[^/]+\.jinja", n)}
+    return sorted(weights | indexes | other | templates)
 
 
 def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tuple[str, ...] | None = None,
@@ -110,7 +161,7 @@ def _fetch_files(uri: str, m: store.Manifest, storage_options: dict | None) -> P
         [m.fingerprint, m.created_at, m.files], sort_keys=True).encode()).hexdigest()[:24]
     dest = store.cache_root() / "models" / key
     if (dest / store.MANIFEST).exists():
-        return dest
+        return _mark_used(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
     try:
@@ -123,7 +174,7 @@ def _fetch_files(uri: str, m: store.Manifest, storage_options: dict | None) -> P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
+    return _mark_used(dest)
 
 
 def _publish(tmp: Path, dest: Path) -> None:
@@ -161,7 +212,7 @@ def _merged_model(uri: str, artifact_dir: Path, m: store.Manifest, storage_optio
                                                 sort_keys=True).encode()).hexdigest()[:24]
     dest = store.cache_root() / "models" / key
     if (dest / store.MANIFEST).exists():
-        return dest
+        return _mark_used(dest)
     base_dir = fetch_model(base.uri, storage_options, manifest=base)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
@@ -172,6 +223,71 @@ def _merged_model(uri: str, artifact_dir: Path, m: store.Manifest, storage_optio
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
+    return _mark_used(dest)
 
 
+# ---------------------------------------------------------------------------------------------- cache size
+IN_USE_S = 3600  # younger than this: a temp dir is a fetch in progress, an entry may be open in a running stage
+
+
+def _mark_used(entry: Path) -> Path:
+    """Stamp the entry's last use (its manifest's mtime) each time a stage gets it: prune_cache drops the
+    least recently used first. A read-only shared cache keeps its stamps."""
+    try:
+        os.utime(entry / store.MANIFEST)
+    except OSError:
+        pass
+    return entry
+
+
+def _tree(path: Path) -> tuple[int, float]:
+    """Bytes under `path` and the newest mtime there (a file being downloaded keeps moving it)."""
+    size, newest = 0, path.lstat().st_mtime
+    for d, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(d, f))
+            except FileNotFoundError:  # removed under us
+                continue
+            size, newest = size + st.st_size, max(newest, st.st_mtime)
+    return size, newest
+
+
+def _last_use(entry: Path) -> float:
+    try:
+        return (entry / store.MANIFEST).stat().st_mtime
+    except FileNotFoundError:
+        return entry.lstat().st_mtime
+
+
+def prune_cache(max_bytes: int, now: float | None = None) -> tuple[list[tuple[Path, int, float]], int]:
+    """Delete entries of the model cache (`cache_root()/models/`), least recently used first, until it holds
+    at most `max_bytes`: returns the removed (path, bytes, last use) and the bytes left. Never deleted:
+    an entry used in the last IN_USE_S seconds (a running stage may still be reading it) and a temp dir
+    `.{key}-xxxx` written to in that time (a fetch or merge in progress); older temp dirs are the leftovers
+    of a killed fetch and go first. An entry is renamed to a temp name before it is deleted, so a
+    concurrent fetch never sees half of one: it downloads the entry again."""
+    root = store.cache_root() / "models"
+    now = time.time() if now is None else now
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        if p.is_dir():
+            size, newest = _tree(p)
+            temp = p.name.startswith(".")
+            found.append((not temp, newest if temp else _last_use(p), p, size))
+    total = sum(size for *_, size in found)
+    removed = []
+    for published, used, p, size in sorted(found, key=lambda e: e[:2]):  # dead temp dirs, then oldest use
+        if total <= max_bytes:
+            break
+        if now - (_last_use(p) if published else used) < IN_USE_S:  # re-read: a fetch may have just used it
+            continue
+        doomed = p.with_name(f".{p.name}-gc-{os.getpid()}") if published else p
+        try:
+            p.rename(doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        total -= size
+        removed.append((p, size, used))
+    return removed, total
