@@ -66,6 +66,13 @@ def dead(holder: dict) -> bool:
     return False
 
 
+def _refused(e: BaseException) -> bool:
+    """Whether an S3 error is a failed precondition (412, or 409 for a concurrent conditional write). s3fs turns
+    the 412 of If-None-Match into a FileExistsError whose message omits the code; the cause keeps it."""
+    text = " ".join(f"{type(x).__name__} {x}" for x in (e, e.__cause__, e.__context__) if x is not None)
+    return any(c in text for c in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
+
+
 def describe(holder: dict | None) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "nobody (deleted)"
 
@@ -93,8 +100,7 @@ class LeaseObject:
             self.fs.call_s3(method, Bucket=bucket, Key=key, **kw)
             return True
         except Exception as e:  # noqa: BLE001  s3fs/botocore wrap the 412/409 differently by version
-            text = f"{type(e).__name__} {e}"
-            if any(c in text for c in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")):
+            if _refused(e):
                 return False
             if method == "delete_object" and isinstance(e, FileNotFoundError):
                 return False
@@ -110,7 +116,7 @@ class LeaseObject:
                 self.fs.call_s3("put_object", Bucket=bucket, Key=pkey, Body=b"2", IfNoneMatch="*")
                 supported = False
             except Exception as e:  # noqa: BLE001
-                supported = any(c in f"{type(e).__name__} {e}" for c in ("PreconditionFailed", "412", "409"))
+                supported = _refused(e)
         finally:
             with contextlib.suppress(Exception):
                 self.fs.rm(probe)

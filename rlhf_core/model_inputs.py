@@ -168,7 +168,7 @@ def _fetch_files(uri: str, m: store.Manifest, storage_options: dict | None) -> P
         for f in m.files:
             target = tmp / f["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(store.join(path, f["path"]), str(target))
+            store.get_file(m, f, str(target), storage_options)  # a kept-in-place version's by its version id
         (tmp / store.MANIFEST).write_text(m.to_json())
         _publish(tmp, dest)
     except BaseException:

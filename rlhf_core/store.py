@@ -388,7 +388,7 @@ class ArtifactWriter:
                     os.link(filesystem(src)[1], dst)
                 else:  # server-side (multipart above 5 GB), from the kept object version where there is one
                     vfs, path = _versioned_fs(src, vid, self.storage_options)
-                    vfs.copy(path + (f"?versionId={vid}" if vid else ""), dst)
+                    vfs.cp_file(path + (f"?versionId={vid}" if vid else ""), dst)
             m = dataclasses.replace(kept, uri=self.uri, files_at="",
                                     files=[{k: v for k, v in f.items() if k != "version_id"} for f in kept.files])
             self._write_manifest(m)

@@ -46,6 +46,9 @@ def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> 
     vdir = store.join(path, store.VERSIONS)
     if not fs.exists(vdir):
         return []
+    names = fs.ls(vdir, detail=False)
+    if len(names) <= keep - 1 and len(versions(uri, storage_options)) == len(names):
+        return []  # nothing to prune, nothing half-kept: no lease taken (a gc loop must not starve the writers)
     removed = []
     with store.artifact_lease(fs, path, uri, storage_options):
         kept_all = versions(uri, storage_options)
@@ -55,8 +58,10 @@ def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> 
             name = p.rstrip("/").rsplit("/", 1)[-1]
             if name in kept:
                 continue
-            store.check_fence()
             m = by_name.get(name)
+            if m is None and not fs.find(store.join(vdir, name)):
+                continue  # an empty name a listing still shows (a versioned bucket's delete markers)
+            store.check_fence()
             if m is not None:
                 fs.rm(store.join(vdir, name, store.MANIFEST))
                 for f in m.files if m.files_at else ():  # kept in place: its object versions at the root

@@ -2,7 +2,6 @@
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 
 import pytest
@@ -91,3 +90,15 @@ def test_stale_lock_of_a_dead_pid_is_taken_over_once(tmp_path):
             with lock.run_lock(str(tmp_path), "r", lease_s=60):
                 pass
     assert not (tmp_path / "r" / lock.LOCK).exists()
+
+
+def test_s3_lock_object_uses_conditional_writes(s3_root):
+    """moto (like S3) honours If-None-Match / If-Match; s3fs reports the 412 as FileExistsError whose message
+    omits the code, which once sent every S3 lock down the best-effort fallback (write, sleep 1 s, read back)."""
+    fs, path = store.filesystem(s3_root)
+    obj = locks.LeaseObject(fs, f"{path}/x/{lock.LOCK}")
+    assert obj.conditional
+    assert obj.create({"token": "a"}) and not obj.create({"token": "b"})
+    _, tag = obj.read()
+    assert obj.swap({"token": "c"}, tag) and not obj.swap({"token": "d"}, tag)
+    assert not obj.delete(tag) and obj.delete(obj.read()[1]) and obj.read() is None
