@@ -1,11 +1,14 @@
 """Commit + read of a model folder on the moto S3 endpoint through rlhf_core.store (journal, atomic manifest,
-and on the second commit the version kept under _versions/ by a server-side copy) vs plain `s3fs put`/`get`
-of the same folder, in one run. Goal (issue 9): versioning and bookkeeping cost <= 10%.
+and on the second commit the previous version kept under _versions/) vs plain `s3fs put`/`get` of the same
+folder, in one run. Goal (issues 9, 25): versioning and bookkeeping cost <= 10%. The previous version is kept
+in place on a bucket with S3 versioning (its manifest names the objects' version ids: nothing copied) and by a
+server-side copy on an unversioned bucket; both are measured.
 
     .venv/bin/python benchmarks/commit.py [--mb 1024] [--shards 4] [--repeats 2]
 
-Rows: first commit (empty prefix) + fetch; a re-commit with a changed config (the previous version is moved
-to _versions/ first) + fetch; s3fs put + get. Prints a markdown table (median of the repeats) and ratios.
+Rows: first commit (empty prefix) + fetch; a re-commit with a changed config (the previous version kept first)
++ fetch, on a versioned and an unversioned bucket; s3fs put + get. Prints a markdown table (median of the
+repeats) and ratios.
 """
 from __future__ import annotations
 
@@ -68,8 +71,12 @@ def main() -> None:
     a = ap.parse_args()
     proc, _ = start_moto()
     rows: dict[str, list[tuple[float, float]]] = {"store: first commit + fetch": [],
-                                                 "store: changed config (keeps previous version) + fetch": [],
+                                                 "store: changed config, versioned bucket (kept in place) + fetch": [],
+                                                 "store: changed config, unversioned bucket (server-side copy) + fetch": [],
                                                  "s3fs put + get": []}
+    fs, _ = store.filesystem("s3://bench-versioned")
+    fs.mkdir("bench-versioned")
+    fs.call_s3("put_bucket_versioning", Bucket="bench-versioned", VersioningConfiguration={"Status": "Enabled"})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
@@ -78,12 +85,19 @@ def main() -> None:
                 base = f"s3://bench-bucket/{uuid.uuid4().hex[:8]}"
                 rows["s3fs put + get"].append(plain(tmp / "model", f"{base}/plain", tmp / "got"))
                 rows["store: first commit + fetch"].append(project(tmp / "model", f"{base}/art", tmp / "cache", 1))
-                rows["store: changed config (keeps previous version) + fetch"].append(
+                rows["store: changed config, unversioned bucket (server-side copy) + fetch"].append(
                     project(tmp / "model", f"{base}/art", tmp / "cache", 2))
                 assert len(versions.versions(f"{base}/art")) == 1
+                vbase = f"s3://bench-versioned/{uuid.uuid4().hex[:8]}"
+                project(tmp / "model", f"{vbase}/art", tmp / "cache", 1)
+                rows["store: changed config, versioned bucket (kept in place) + fetch"].append(
+                    project(tmp / "model", f"{vbase}/art", tmp / "cache", 2))
+                kept = versions.versions(f"{vbase}/art")
+                assert len(kept) == 1 and kept[0].files_at  # nothing was copied
                 shutil.rmtree(tmp / "got", ignore_errors=True)
                 shutil.rmtree(tmp / "cache", ignore_errors=True)
-                store.filesystem(base)[0].rm(store.filesystem(base)[1], recursive=True)
+                for b in (base, vbase):
+                    store.filesystem(b)[0].rm(store.filesystem(b)[1], recursive=True)
     finally:
         proc.terminate()
         proc.wait(10)
