@@ -409,7 +409,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     hp = learner_settings(cfg)
     state = State(kl_coef=cfg.init_kl_coef)
     work.mkdir(parents=True, exist_ok=True)
-    meta = checkpoints.latest(ckpt_uri, fingerprint, storage_options)
+    # the newest checkpoint whose every sha256 verifies; a corrupt one is logged and passed over
+    meta, local = checkpoints.resume_point(ckpt_uri, fingerprint, work / "resume", storage_options)
     weights = sum(f.stat().st_size for f in Path(dirs["policy"]).glob("*.safetensors"))
     started = _ray_up(cfg.ray_address, object_store_bytes=3 * weights)  # room for the synced state dict
     roles = feed = None
@@ -419,7 +420,6 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
                       max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec)
         if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
-            local = checkpoints.download(meta, work / "resume", storage_options)
             ray.get([a.load_checkpoint.remote(str(local / "actor"), meta["tag"]) for a in roles.policy] +
                     [a.load_checkpoint.remote(str(local / "critic"), meta["tag"]) for a in roles.critic])
             state = State(**json.loads((local / "state.json").read_text()))

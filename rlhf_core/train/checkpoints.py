@@ -1,5 +1,6 @@
 """Training checkpoints on the store: `{output_uri}/checkpoints/step-{N}/` holds DeepSpeed's files, and
-`_CHECKPOINT.json` (written LAST) names the job fingerprint, the step, and every file with size and sha256.
+`_CHECKPOINT.json` (written LAST, in one atomic step) names the job fingerprint, the step, and every file with
+size and sha256. Every write (file, marker, prune) first checks the run lock's fence (`store.check_fence`).
 
 A folder without the marker is an interrupted upload and is ignored. A marker with another fingerprint
 (foreign) or files that do not match it (corrupt) is refused by name: training never continues from
@@ -51,6 +52,7 @@ def upload_files(local_dir: str | Path, root_uri: str, tag: str, storage_options
         if p.is_file():
             rel = p.relative_to(local_dir).as_posix()
             dest = store.join(root, tag, rel)
+            store.check_fence()  # a process that lost its run lock writes nothing more
             fs.makedirs(fs._parent(dest), exist_ok=True)
             fs.put_file(str(p), dest)
             files.append({"path": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
@@ -62,10 +64,13 @@ def commit(root_uri: str, tag: str, fingerprint: str, files: list[dict], state: 
     """Write the marker naming every rank's files (the commit), then drop older checkpoints."""
     fs, root = store.filesystem(root_uri, storage_options)
     files = sorted({f["path"]: f for f in files}.values(), key=lambda f: f["path"])
-    with fs.open(store.join(root, tag, MARKER), "w") as f:
-        f.write(json.dumps({"fingerprint": fingerprint, "tag": tag, "files": files, **state}, indent=1))
+    store.check_fence()
+    # in one step (temp file + rename locally, one PUT on S3): a crash never leaves a partial marker
+    store.write_atomic(fs, store.join(root, tag, MARKER),
+                       json.dumps({"fingerprint": fingerprint, "tag": tag, "files": files, **state}, indent=1))
     for old in sorted(_tags(fs, root), key=_step)[:-keep_last]:
         if old != tag:
+            store.check_fence()
             fs.rm(store.join(root, old), recursive=True)
     return store.join(root_uri, tag)
 

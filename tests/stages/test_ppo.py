@@ -1,8 +1,11 @@
 """The ppo stage end to end on Ray (DeepSpeed learners, HF rollout engines, in-place weight sync) on the demo
 task with the gold reward as a reward_func, starting from a briefly SFT'd tiny policy: GRPO and PPO (gae)
 raise the held-out gold reward, every other estimator runs and moves the policy, bad inputs fail before
-Ray starts with nothing written, and a SIGKILLed run resumes from its store checkpoint."""
+Ray starts with nothing written, a SIGKILLed run resumes from its store checkpoint, and a corrupt checkpoint
+is passed over for the previous one (or a fresh start)."""
+import inspect
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -358,6 +361,60 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
         assert sorted(i for h in log if h["episode"] == e for i in h["prompt_indices"]) == list(range(64))
     assert m.metrics["final_kl_coef"] != 0.01  # the adaptive controller's state went through the checkpoint
     assert not fs.exists(f"{path}/checkpoints")
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoints_are_passed_over_for_the_previous_one_or_a_fresh_start(warm, tmp_path, monkeypatch, caplog):
+    """A checkpoint with a flipped byte (same size: only its sha256 tells) is logged and passed over: when it is
+    the only one the run starts fresh, else it resumes from the previous one, and it commits. Two runs of 3 steps
+    (a checkpoint per step, 2 kept): the first finds a planted corrupt checkpoint of this job and stops right after
+    its step-2 checkpoint; the second finds step-2 flipped and resumes from step-1."""
+    from rlhf_core.train import checkpoints
+
+    out = tmp_path / "corrupt"
+    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(out), **BASE,
+                     advantage_estimator="group_norm", n_samples_per_prompt=2, actor_learning_rate=1e-4,
+                     init_kl_coef=0.0, max_samples=24, save_steps=1, max_ckpt_num=2)
+    ckpts, real_train, real_checkpoint = out / "checkpoints", loop.train, loop._checkpoint
+    plant = []  # what the first run must log about the planted checkpoint
+
+    def flip(tag) -> str:
+        f = max((p for p in (ckpts / tag).rglob("*") if p.is_file() and p.name != checkpoints.MARKER),
+                key=lambda p: p.stat().st_size)
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+        return f"corrupt checkpoint {ckpts}/{tag}: file {f.relative_to(ckpts / tag).as_posix()} does not match " \
+               f"its sha256 in _CHECKPOINT.json: passing over it for the previous checkpoint"
+
+    def plant_then_train(*args, **kwargs):  # the only checkpoint: this job's (its fingerprint), one byte flipped
+        job = inspect.signature(real_train).bind(*args, **kwargs).arguments
+        (tmp_path / "planted").mkdir()
+        (tmp_path / "planted" / "state.json").write_text(json.dumps({"step": 1}))
+        checkpoints.upload(tmp_path / "planted", job["ckpt_uri"], "step-1", job["fingerprint"], {"step": 1})
+        plant.append(flip("step-1"))
+        return real_train(*args, **kwargs)
+
+    def stop_after_step_2(roles, state, *rest):
+        real_checkpoint(roles, state, *rest)
+        if state.step == 2:
+            raise RuntimeError("stopped after checkpoint step-2")
+
+    monkeypatch.setattr(loop, "train", plant_then_train)
+    monkeypatch.setattr(loop, "_checkpoint", stop_after_step_2)
+    caplog.set_level(logging.INFO, logger="rlhf_flows")
+    with pytest.raises(RuntimeError, match="stopped after checkpoint step-2"):
+        ppo.run(cfg)
+    assert plant[0] in caplog.text and f"no intact checkpoint left under {ckpts}: training from scratch" in caplog.text
+    assert "ppo: resumed" not in caplog.text and sorted(p.name for p in ckpts.iterdir()) == ["step-1", "step-2"]
+    monkeypatch.undo()
+    passed_over = flip("step-2")  # the newest of two
+    caplog.clear()
+    m = ppo.run(cfg)
+    assert passed_over in caplog.text and f"ppo: resumed from {ckpts}/step-1 at step 1 of 3" in caplog.text
+    assert m.metrics["resumed_from_step"] == 1 and m.metrics["steps_done"] == m.metrics["planned_steps"] == 3
+    assert [h["step"] for h in json.loads((out / "training_log.json").read_text())] == [1, 2, 3]
+    assert store.committed_any(str(out)) and not ckpts.exists()
 
 
 # ---------------------------------------------------------------------------------------------- vllm, external Ray
