@@ -1,10 +1,13 @@
 """Crash and resume: SIGKILL the flow process alone (not its group: what an OOM killer or a supervisor does)
 during generation, then during DPO training; nothing it started (Ray, the training job, Prefect's API server)
 outlives it by more than a bounded wait, each rerun resumes where the last stopped, and artifacts committed
-before a kill are never redone (same fingerprint, same created_at). The flow runs as `rlhf-flows run` in a
-subprocess with its own Prefect home."""
+before a kill are never redone (same fingerprint, same created_at). Then a run paused (SIGSTOP) past its lock's
+lease while its training job runs: a second run takes over and finishes; the first, resumed, writes not a
+single file more and stops naming the holder. The flow runs as `rlhf-flows run` in a subprocess with its own
+Prefect home."""
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -22,8 +25,8 @@ from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifest
 pytestmark = pytest.mark.slow
 
 
-def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo") -> subprocess.Popen:
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), RLHF_TEST_MARKER=marker,
+def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo", home: str = "prefect") -> subprocess.Popen:
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / home), RLHF_TEST_MARKER=marker,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
     env.pop("PREFECT_API_URL", None)  # the harness's API belongs to the test process: use an ephemeral one
     exe = Path(sys.executable).parent / "rlhf-flows"
@@ -52,7 +55,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
                          pretrain_uri=demo_run.sft, reward_uri=demo_run.reward,
                          prompt_data=f"{demo_run.inputs}/prompts.jsonl",
                          eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl", gold_reward_file=demo_task.__file__,
-                         sft={}, train_rm={},
+                         sft={}, train_rm={}, lock_lease_s=6,
                          dpo={"save_steps": 1, "debug_step_sleep": 1.0})  # slow steps so the kill lands mid-training
     cfg = tmp_path / "kill.yaml"
     cfg.write_text(yaml.safe_dump(params))
@@ -77,14 +80,65 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
     assert {"iter-1/generate", "iter-1/score", "iter-1/pairs", "iter-1/reference"} <= set(second)
     assert "iter-1/dpo" not in second  # a killed training stage is never committed
 
-    # 3. rerun to the end: DPO continues from its checkpoint; nothing before it is redone
-    marker = uuid.uuid4().hex
-    proc = _start(cfg, tmp_path, marker)
-    assert proc.wait(timeout=900) == 0, (tmp_path / f"run-{marker[-4:]}.log").read_text()[-3000:]
-    kill_marked(marker)
-    third = manifests(str(run))
-    for k, m in second.items():
-        assert (third[k].fingerprint, third[k].created_at) == (m.fingerprint, m.created_at), k
-    dpo = third["iter-1/dpo"].metrics
-    assert dpo["resumed_from_step"] >= 1 and dpo["steps_done"] == dpo["planned_steps"]
-    assert "iter-1/eval" in third and not (run / "_LOCK.json").exists()
+    # 3. rerun, paused (the flow, its training job and its Prefect server: a frozen machine) once DPO has saved
+    #    a newer checkpoint, and kept paused past its lock's lease
+    marker_a = uuid.uuid4().hex
+    first_ckpts = _checkpoints(ckpt)
+    proc_a = _start(cfg, tmp_path, marker_a)
+    deadline = time.time() + 600
+    while not (_checkpoints(ckpt) - first_ckpts):
+        assert proc_a.poll() is None and time.time() < deadline, (tmp_path / f"run-{marker_a[-4:]}.log").read_text()[-3000:]
+        time.sleep(0.2)
+    paused = _signal_tree(proc_a.pid, signal.SIGSTOP)
+    try:
+        time.sleep(params["lock_lease_s"] + 1)
+        # 4. a second run takes over the stale lock and runs to the end: DPO continues from a checkpoint; nothing
+        #    before it is redone
+        marker = uuid.uuid4().hex
+        proc = _start(cfg, tmp_path, marker, home="prefect-b")
+        assert proc.wait(timeout=900) == 0, (tmp_path / f"run-{marker[-4:]}.log").read_text()[-3000:]
+        kill_marked(marker)
+        log_b = (tmp_path / f"run-{marker[-4:]}.log").read_text()
+        assert "took over the stale lock" in log_b
+        third = manifests(str(run))
+        for k, m in second.items():
+            assert (third[k].fingerprint, third[k].created_at) == (m.fingerprint, m.created_at), k
+        dpo = third["iter-1/dpo"].metrics
+        assert dpo["resumed_from_step"] >= 1 and dpo["steps_done"] == dpo["planned_steps"]
+        assert "iter-1/eval" in third and not (run / "_LOCK.json").exists()
+        before = _listing(run)
+    finally:
+        _signal_tree(proc_a.pid, signal.SIGCONT, paused)
+    # the first run, resumed: its job and its flow find the lock gone before their next write and stop
+    try:
+        code = proc_a.wait(timeout=300)
+    finally:
+        kill_marked(marker_a)
+    log_a = (tmp_path / f"run-{marker_a[-4:]}.log").read_text()
+    assert code != 0 and "now held by nobody (deleted)" in log_a, log_a[-3000:]
+    after = _listing(run)
+    assert after == before, {k: (before.get(k), after.get(k)) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+
+
+def _checkpoints(ckpt: Path) -> set[str]:
+    return {p.parent.name for p in ckpt.glob("*/_CHECKPOINT.json")} if ckpt.is_dir() else set()
+
+
+def _signal_tree(pid: int, sig: int, pids: list[int] | None = None) -> list[int]:
+    """Send `sig` to a process and every descendant (the training job runs in its own session)."""
+    import psutil
+
+    if pids is None:
+        pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def _listing(root: Path) -> dict[str, tuple]:
+    """Every file under the run: (size, mtime_ns, sha256), the local store's stand-in for key and ETag."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
