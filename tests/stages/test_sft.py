@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, model_inputs, store
+from rlhf_core import data, demo_task, model_inputs, store, versions
 from rlhf_core.jobs import JobFailed
-from rlhf_core.train import checkpoints
+from rlhf_core.train import checkpoints, launch
 from rlhf_core.train.launch import TrainingIncomplete  # noqa: F401  (part of the contract)
 from stages import sft
 from tests.conftest import tb_scalars
@@ -34,7 +34,7 @@ def weights(d):
     return load_file(os.path.join(str(d), "model.safetensors"))
 
 
-def test_sft_trains_every_parameter_and_rerun_is_free(tiny, tmp_path):
+def test_sft_trains_every_parameter_rerun_is_free_and_a_reverted_config_restores(tiny, tmp_path, monkeypatch):
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=sft_data(tmp_path), output_uri=str(tmp_path / "sft"), **FAST)
     m = sft.run(cfg)
     assert m.stage == "sft" and m.metrics["steps_done"] == m.metrics["planned_steps"] == 6
@@ -51,6 +51,18 @@ def test_sft_trains_every_parameter_and_rerun_is_free(tiny, tmp_path):
     assert sorted(i for h in log for i in h["samples"]) == list(range(48))  # one epoch: each sample once
     assert not (tmp_path / "sft" / "checkpoints").exists()
     assert sft.run(cfg).created_at == m.created_at  # same fingerprint: no work
+
+    b = sft.run(cfg.model_copy(update={"learning_rate": cfg.learning_rate / 2}))  # a changed config trains again
+    assert b.fingerprint != m.fingerprint and versions.versions(cfg.output_uri)[0].fingerprint == m.fingerprint
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(launch, "_train", no_training)
+    back = sft.run(cfg)  # reverted: the kept version comes back, the other one is kept in its turn
+    assert (back.fingerprint, back.created_at) == (m.fingerprint, m.created_at)
+    assert all(torch.equal(after[k], v) for k, v in weights(tmp_path / "sft").items())
+    assert [v.fingerprint for v in versions.versions(cfg.output_uri)] == [b.fingerprint]
 
 
 def test_packed_loss_equals_unpacked(tiny):
