@@ -81,7 +81,7 @@ def test_a_reverted_config_restores_the_kept_dataset_locally(tmp_path):
 
 def test_gc_in_a_loop_never_leaves_a_version_naming_missing_files(s3_root):
     """A writer re-commits with a changed config 20 times (each keeps the previous version: a server-side copy
-    of 12 files on this unversioned bucket) while gc prunes in a loop. After every round, with gc paused,
+    of 8 files on this unversioned bucket) while gc prunes in a loop. After every round, with gc paused,
     every manifest (the current one and each kept version) names files that exist."""
     uri = f"{s3_root}/ds"
     fs, path = store.filesystem(uri)
@@ -108,7 +108,7 @@ def test_gc_in_a_loop_never_leaves_a_version_naming_missing_files(s3_root):
     t.start()
     try:
         for r in range(20):
-            _dataset(uri, 3 + r, files=12)
+            _dataset(uri, 3 + r, files=8)
             go.clear()
             idle.wait(60)
             manifests = [store.read_manifest(uri)] + versions.versions(uri)
