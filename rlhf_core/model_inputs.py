@@ -159,16 +159,26 @@ def _fetch_files(uri: str, m: store.Manifest, storage_options: dict | None) -> P
         return Path(path)
     key = m.fingerprint if m.stage == "source" else hashlib.sha256(json.dumps(
         [m.fingerprint, m.created_at, m.files], sort_keys=True).encode()).hexdigest()[:24]
+
+    def download(tmp: Path) -> None:
+        for f in m.files:
+            target = tmp / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            store.get_file(m, f, str(target), storage_options)  # a kept-in-place version's by its version id
+
+    return _cache_entry(key, m, download)
+
+
+def _cache_entry(key: str, m: store.Manifest, fill) -> Path:
+    """The model cache's entry `key`, made once per machine: `fill(tmp)` writes a temp folder that is
+    published by one rename (a concurrent maker's loses and uses the winner's)."""
     dest = store.cache_root() / "models" / key
     if (dest / store.MANIFEST).exists():
         return _mark_used(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
     try:
-        for f in m.files:
-            target = tmp / f["path"]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            store.get_file(m, f, str(target), storage_options)  # a kept-in-place version's by its version id
+        fill(tmp)
         (tmp / store.MANIFEST).write_text(m.to_json())
         _publish(tmp, dest)
     except BaseException:
@@ -210,20 +220,8 @@ def _merged_model(uri: str, artifact_dir: Path, m: store.Manifest, storage_optio
     base = adapter_base(m, storage_options)
     key = "merged-" + hashlib.sha256(json.dumps([m.fingerprint, m.created_at, m.files, base.fingerprint],
                                                 sort_keys=True).encode()).hexdigest()[:24]
-    dest = store.cache_root() / "models" / key
-    if (dest / store.MANIFEST).exists():
-        return _mark_used(dest)
-    base_dir = fetch_model(base.uri, storage_options, manifest=base)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
-    try:
-        models.merge_adapter(base_dir, artifact_dir, tmp, rm_stats=m.metrics)
-        (tmp / store.MANIFEST).write_text(m.to_json())
-        _publish(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _mark_used(dest)
+    return _cache_entry(key, m, lambda tmp: models.merge_adapter(fetch_model(base.uri, storage_options, manifest=base),
+                                                                 artifact_dir, tmp, rm_stats=m.metrics))
 
 
 # ---------------------------------------------------------------------------------------------- cache size

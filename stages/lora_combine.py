@@ -8,7 +8,7 @@ model's adapter (peft task SEQ_CLS) merges into a one-label sequence-classificat
 reward_mean / reward_std in its config; `is_rm` states which one you expect and is checked. Output: an HF
 folder (safetensors + tokenizer) that every stage loads like any other model.
 
-Stages load adapter-only artifacts on their own (rlhf_core.store.fetch_model merges them into a cache once
+Stages load adapter-only artifacts on their own (rlhf_core.model_inputs.fetch_model merges them into a cache once
 per machine); this stage is for handing the merged model on (serving, export, another tool).
 
     rlhf-flows stage lora_combine model_uri=runs/x/sft output_uri=runs/x/sft-merged
