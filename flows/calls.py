@@ -4,7 +4,9 @@ lost its lock before the stage starts. Every flow reaches every stage through th
 """
 from __future__ import annotations
 
+import datetime as dt
 import importlib
+import re
 import time
 
 from pydantic import ValidationError
@@ -38,9 +40,11 @@ def call(stage_task_obj, cfg) -> dict:
     from rlhf_core import progress
 
     store.check_fence()
-
+    label, tags = task_run_label(stage_task_obj.name, cfg.output_uri)
+    stage_task_obj = stage_task_obj.with_options(task_run_name=label, tags=tags)
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")  # as manifests write times
     if not _progress.get("id"):
-        return run_stage(stage_task_obj, cfg)
+        return _said(label, run_stage(stage_task_obj, cfg), started)
     from prefect.artifacts import update_progress_artifact
 
     last = [0.0]
@@ -58,7 +62,44 @@ def call(stage_task_obj, cfg) -> dict:
         progress.listeners.remove(within)
     _progress["done"] += 1
     update_progress_artifact(_progress["id"], progress=min(100.0, 100.0 * _progress["done"] / _progress["total"]))
+    return _said(label, out, started)
+
+
+def _said(label: str, out: dict, started: str) -> dict:
+    """One line in the run log per stage call: what it committed, or that it was committed before this call
+    began (a rerun or a retry skips it)."""
+    import logging
+
+    try:
+        from prefect import get_run_logger
+
+        logger = get_run_logger()
+    except Exception:  # noqa: BLE001  outside a flow run
+        logger = logging.getLogger("rlhf_flows")
+    if out["created_at"] < started:
+        logger.info("%s: committed at %s, skipped", label, out["finished_at"])
+    else:
+        logger.info("%s: committed %s", label, out["uri"])
     return out
+
+
+def task_run_label(stage: str, output_uri: str) -> tuple[str, list[str]]:
+    """What the UI shows for a stage call: its place in the run (`iter-2/dpo`, `prompts`, `iter-1/eval_low`)
+    as the task run's name, and tags `run:NAME`, `stage:dpo`, `iter:2` to filter by."""
+    parts = str(output_uri).rstrip("/").split("/")
+    if len(parts) >= 3 and re.fullmatch(r"iter-\d+", parts[-2]):
+        run, label, it = parts[-3], "/".join(parts[-2:]), parts[-2].split("-")[1]
+        return label, [f"run:{run}", f"stage:{stage}", f"iter:{it}"]
+    return parts[-1], [f"run:{parts[-2] if len(parts) >= 2 else parts[-1]}", f"stage:{stage}"]
+
+
+def flow_run_name() -> str:
+    """A loop's flow run is named after its run folder (`run_name`), not a random pair of words."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters.get("params")
+    name = p.get("run_name") if isinstance(p, dict) else getattr(p, "run_name", None)
+    return str(name or "demo")
 
 
 def start_progress(flow: str, stages: int) -> None:

@@ -5,7 +5,7 @@
     rlhf-flows stage STAGE --config FILE [key=value ...]   one stage alone (prepare, generate, score, ...)
     rlhf-flows show URI                                    an artifact's manifest and lineage, or a run
     rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
-    rlhf-flows gc --cache-max-gb X                         shrink this machine's model cache to X GB (LRU first)
+    rlhf-flows gc --cache-max-gb N                         shrink this machine's model cache to N GB (LRU first)
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
 
 `--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
@@ -185,7 +185,7 @@ def gc(uri: str | None, keep: int | None, cache_max_gb: float | None = None) -> 
     if (uri is None) != (keep is None):
         raise ValueError("gc URI needs --keep N, and --keep N needs a URI")
     if uri is None and cache_max_gb is None:
-        raise ValueError("gc needs URI --keep N (old versions), --cache-max-gb X (the model cache), or both")
+        raise ValueError("gc needs URI --keep N (old versions), --cache-max-gb N (the model cache), or both")
     if cache_max_gb is not None and cache_max_gb < 0:
         raise ValueError(f"--cache-max-gb must be >= 0, got {cache_max_gb}")
     out = []

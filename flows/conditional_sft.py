@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import Field, model_validator
 
-from flows import common
+from flows import calls, common
 from flows.calls import call, stage_config
 from flows.lock import run_lock
 from rlhf_core import postprocess, store
@@ -49,7 +49,7 @@ def checks(p: Params) -> dict:
     return {sft: p.sft_loop}
 
 
-@flow(name="conditional-sft", log_prints=True)
+@flow(name="conditional-sft", flow_run_name=calls.flow_run_name, log_prints=True)
 def conditional_sft(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "conditional-sft", checks(p))

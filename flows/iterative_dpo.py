@@ -24,7 +24,7 @@ from typing import Literal
 from prefect import flow
 from pydantic import Field
 
-from flows import common
+from flows import calls, common
 from flows.calls import call, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
@@ -59,7 +59,7 @@ def checks(p: Params) -> dict:
     return {kto: p.kto} if p.trainer == "kto" else {reference: reference_settings(p), dpo: p.dpo}
 
 
-@flow(name="iterative-dpo", log_prints=True)
+@flow(name="iterative-dpo", flow_run_name=calls.flow_run_name, log_prints=True)
 def iterative_dpo(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "iterative-dpo", checks(p))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import Field
 
-from flows import common
+from flows import calls, common
 from flows.calls import call, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
@@ -53,7 +53,7 @@ def iteration_settings(p: Params, k: int) -> dict:
     return {**p.ppo, "seed": p.ppo.get("seed", ppo_stage.Config.model_fields["seed"].default) + k - 1}
 
 
-@flow(name="ppo", log_prints=True)
+@flow(name="ppo", flow_run_name=calls.flow_run_name, log_prints=True)
 def ppo(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "ppo", checks(p))

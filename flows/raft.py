@@ -18,7 +18,7 @@ from typing import Literal
 from prefect import flow
 from pydantic import Field
 
-from flows import common
+from flows import calls, common
 from flows.calls import call, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
@@ -44,7 +44,7 @@ def checks(p: Params) -> dict:
     return {kd: p.kd} if p.trainer == "kd" else {sft: p.sft_loop}
 
 
-@flow(name="raft", log_prints=True)
+@flow(name="raft", flow_run_name=calls.flow_run_name, log_prints=True)
 def raft(params: Params) -> dict:
     p, so = params, params.storage_options
     run = common.setup(p, "raft", checks(p))

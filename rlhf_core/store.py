@@ -402,11 +402,12 @@ class ArtifactWriter:
     def begin(self) -> None:
         """Before writing: refuse a prefix holding files we did not write (naming them); move a committed
         version with another fingerprint to _versions/{fingerprint}/ (never delete it); un-commit the prefix.
-        All under the artifact's lease, which `rlhf-flows gc` takes too: it never prunes a version being archived."""
+        A committed prefix is kept under the artifact's lease, which `rlhf-flows gc` takes too: it never prunes a
+        version being archived (a first commit keeps nothing: no lease)."""
         check_fence()
         fs, path = self.fs, self.path
         journal = self._read_journal()
-        with self.lease():
+        with self.lease() if fs.exists(join(path, MANIFEST)) else contextlib.nullcontext():
             old = None
             if fs.exists(join(path, MANIFEST)):
                 old = read_manifest(self.uri, storage_options=self.storage_options)

@@ -100,6 +100,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
         kill_marked(marker)
         log_b = (tmp_path / f"run-{marker[-4:]}.log").read_text()
         assert "took over the stale lock" in log_b
+        assert "iter-1/generate: committed at" in log_b and "iter-1/reference: committed at" in log_b  # skipped, said
         third = manifests(str(run))
         for k, m in second.items():
             assert (third[k].fingerprint, third[k].created_at) == (m.fingerprint, m.created_at), k

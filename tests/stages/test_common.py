@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from rlhf_core import store
+from rlhf_core import store, versions
 from stages import prepare
 from stages.common import call
 
@@ -43,8 +43,12 @@ def test_stale_cache_record_for_a_rewritten_artifact_is_not_trusted(prefect_harn
     out = str(tmp_path / "out")
     prep = _flow(source, out)
     three = prep(3)
-    assert prep(4)["rows"] == 4  # the same prefix now holds another artifact
-    # Prefect still holds a record for n=3 pointing at the first manifest; the store holds n=4's.
+    four = prep(4)
+    assert four["rows"] == 4  # the same prefix now holds another artifact; n=3's is kept under _versions/
+    back = prep(3)  # reverted: the kept artifact comes back, the very one Prefect's record names
+    assert (back["fingerprint"], back["created_at"]) == (three["fingerprint"], three["created_at"])
+    assert prep(4)["created_at"] == four["created_at"]
+    versions.prune_versions(out, keep=1)  # n=3's version is gone: Prefect's record for it now names nothing
     back = prep(3)
     held = store.read_manifest(out)
     assert back["rows"] == held.rows == 3 and back["fingerprint"] == held.fingerprint == three["fingerprint"]
