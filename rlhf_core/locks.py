@@ -88,10 +88,10 @@ class LeaseObject:
     read back - best effort only; two starters within the same ~second may then both believe they won,
     and fencing (the token check before every write) is what stops the loser."""
 
-    def __init__(self, fs, path: str):
+    def __init__(self, fs, path: str, conditional: bool | None = None):
         self.fs, self.path = fs, path
         self.local = isinstance(fs, LocalFileSystem)
-        self.conditional = self.local or self._probe()
+        self.conditional = self.local or (conditional if conditional is not None else self._probe())
 
     # ----- S3 helpers
     def _s3(self, method: str, **kw) -> bool:
@@ -221,11 +221,7 @@ _conditional: dict = {}  # (filesystem class, bucket) -> whether it honours cond
 
 def _object(fs, path: str) -> LeaseObject:
     key = (type(fs).__name__, path.split("/", 1)[0])
-    if key in _conditional:
-        obj = LeaseObject.__new__(LeaseObject)
-        obj.fs, obj.path, obj.local, obj.conditional = fs, path, isinstance(fs, LocalFileSystem), _conditional[key]
-        return obj
-    obj = LeaseObject(fs, path)
+    obj = LeaseObject(fs, path, _conditional.get(key))
     _conditional[key] = obj.conditional
     return obj
 

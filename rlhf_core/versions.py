@@ -51,7 +51,7 @@ def prune_versions(uri: str, keep: int, storage_options: dict | None = None) -> 
         return []  # nothing to prune, nothing half-kept: no lease taken (a gc loop must not starve the writers)
     removed = []
     with store.artifact_lease(fs, path, uri, storage_options):
-        kept_all = versions(uri, storage_options)
+        kept_all = versions(uri, storage_options)  # again, under the lease: a writer may have kept one meanwhile
         kept = {m.fingerprint for m in kept_all[: keep - 1]}
         by_name = {m.fingerprint: m for m in kept_all}
         for p in fs.ls(vdir, detail=False):
