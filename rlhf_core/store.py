@@ -407,10 +407,9 @@ class ArtifactWriter:
         check_fence()
         fs, path = self.fs, self.path
         journal = self._read_journal()
-        with self.lease() if fs.exists(join(path, MANIFEST)) else contextlib.nullcontext():
-            old = None
-            if fs.exists(join(path, MANIFEST)):
-                old = read_manifest(self.uri, storage_options=self.storage_options)
+        was_committed = fs.exists(join(path, MANIFEST))
+        with self.lease() if was_committed else contextlib.nullcontext():
+            old = read_manifest(self.uri, storage_options=self.storage_options) if was_committed else None
             if fs.exists(path):
                 ours = RESERVED | journal | {f["path"].split("/", 1)[0] for f in (old.files if old else [])}
                 foreign = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
