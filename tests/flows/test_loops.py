@@ -156,7 +156,8 @@ def test_conditional_sft_learns_to_follow_its_condition_on_s3(demo_run, s3_root)
     scored through `rlhf-flows serve-rm` (reward_url: the flows' remote reward path): every sample is trained
     on under its rank bucket in the batch, iterations 2.. sample under the best bucket (bootstrap), and the
     policy is evaluated under the best bucket (gold_reward) and the worst (gold_reward_low). Gold under the
-    best bucket rises over 3 iterations and beats the worst bucket by a clear margin (README "Conditional SFT")."""
+    best bucket rises over 2 iterations (the README's 3rd adds 0.03: left to the CLI run, ~4 min of CI) and beats
+    the worst bucket by a clear margin (README "Conditional SFT")."""
     import threading
 
     import yaml
@@ -172,20 +173,20 @@ def test_conditional_sft_learns_to_follow_its_condition_on_s3(demo_run, s3_root)
     over = {k: csft[k] for k in ("target_reward", "low_target_reward", "generate", "filter", "eval", "sft_loop")}
     assert csft["sft"] == DEMO["sft"] and csft["train_rm"] == DEMO["train_rm"]  # the demo run's policy and RM are csft's
     try:
-        report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", iterations=3, **over),
+        report = conditional_sft(Params(**{**_loop_params(demo_run, s3_root, run_name="csft", iterations=2, **over),
                                            "reward_uri": None, "reward_url": url}))
     finally:
         server.shutdown()
         server.server_close()
     rows = report["iterations"]
-    assert report["stop_reason"] == "completed all iterations" and len(rows) == 4
+    assert report["stop_reason"] == "completed all iterations" and len(rows) == 3
     high, low = [r["gold_reward"] for r in rows], [r.get("gold_reward_low") for r in rows]
     # Measured (2026-11-23, `rlhf-flows run conditional-sft --config configs/demo_csft.yaml`): high -0.003,
     # 0.253, 0.443, 0.473; low -0.309, -0.084, 0.223 (iteration 0: the SFT policy, no condition). Trained with
     # one constant tag instead (a plain loop on iteration 1's rows, 192 steps), best and worst gave
     # 0.010 / 0.005: these margins fail when the condition is ignored.
-    assert high[0] + 0.1 < high[1] and high[1] + 0.1 < high[2] < high[3], high
-    assert high[1] - low[1] > 0.4 and high[2] - low[2] > 0.4 and high[3] - low[3] > 0.15, (high, low)
+    assert high[0] + 0.1 < high[1] and high[1] + 0.1 < high[2], high
+    assert high[1] - low[1] > 0.4 and high[2] - low[2] > 0.4, (high, low)
     assert rows[2]["rm_reward"] > rows[2]["rm_reward_low"]
     assert store.read_manifest(f"{s3_root}/csft/iter-1/score").config["remote_rm_url"] == url
     trained = store.read_table(f"{s3_root}/csft/iter-1/csft").to_pylist()

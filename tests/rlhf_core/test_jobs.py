@@ -17,6 +17,9 @@ def test_command_shapes(tmp_path):
     assert multi[5:9] == ["--hostfile", "/h", "--num_nodes", "2"]
     tr = jobs.launcher_command("m", ["a"], "torchrun", 2, master_port=5)
     assert tr[0].endswith("torchrun") and tr[-3:] == ["-m", "m", "a"] and "--nproc_per_node" in tr
+    # one process on one node: the rank runs directly (no launcher processes), unless a port was pinned
+    assert jobs.launcher_command("m.entry", ["spec.json"], "deepspeed") == [sys.executable, "-u", "-m", "m.entry", "spec.json"]
+    assert jobs.launcher_command("m", [], "deepspeed", master_port=7)[0].endswith("deepspeed")
     with pytest.raises(ValueError, match="unknown launcher"):
         jobs.launcher_command("m", [], "mpirun")
     assert jobs.job_env(2)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
