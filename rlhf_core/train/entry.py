@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from rlhf_core import losses
-from rlhf_core.train import adamw, checkpoints, no_lone_allreduce
+from rlhf_core.train import adamw, checkpoints, no_lone_allreduce, ring, schedule
+from rlhf_core.train import attention
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
@@ -76,7 +77,8 @@ def load_model(spec: dict, cuda: bool, method, ds_config: dict | None = None):
                                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
                   "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
     auto, head = _auto(method)
-    model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True, **head, **kwargs)
+    model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True, **head, **kwargs,
+                                 attn_implementation=spec.get("attn_implementation", "sdpa"))
     del zero3
     if spec.get("load_in_4bit"):
         from peft import prepare_model_for_kbit_training
@@ -112,11 +114,8 @@ def target_logits(engine, b) -> torch.Tensor:
     bare model (the inline reference pass, a frozen teacher) on its device."""
     model = getattr(engine, "module", engine)
     dev = engine.device
-    att = b.attention_mask.to(dev)
-    if att.dim() == 4 and getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask
-        att = torch.zeros(att.shape, dtype=torch.float32, device=dev).masked_fill(~att, torch.finfo(torch.float32).min)
-    kw = {"input_ids": b.input_ids.to(dev), "attention_mask": att, "position_ids": b.position_ids.to(dev),
-          "use_cache": False}  # a KV cache is built by default even in training (transformers 5): work thrown away
+    # use_cache: a KV cache is built by default even in training (transformers 5): work thrown away
+    kw = {**attention.model_inputs(model, b, dev), "use_cache": False}
     rows, cols = (t.to(dev) for t in b.targets()[:2])
     parts = _parts(model)
     if parts is None:
@@ -133,11 +132,13 @@ def target_logps(engine, b) -> torch.Tensor:
 
 def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
     """Token lists -> a Batch. `pairs`: seqs are k chosen then k rejected of the same prompts, collated as k
-    rows sharing the prompt (rlhf_core.train.batches.collate_pairs) unless packing_samples packs them."""
-    if pairs and not spec["packing_samples"]:
+    rows sharing the prompt (rlhf_core.train.batches.collate_pairs) unless packing_samples packs them or flash
+    attention runs (its varlen kernel has no shared prefix: the pair's sequences go apart; attention.py)."""
+    if pairs and not spec["packing_samples"] and not spec.get("attn_implementation", "sdpa").startswith("flash"):
         k = len(seqs) // 2
         return collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
-    return collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+    b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+    return ring.local_batch(b, pad_id) if ring.size() > 1 else b  # this rank's slice of the packed row
 
 
 def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
@@ -148,27 +149,71 @@ def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     lp = target_logps(engine, b)
     sample = b.targets()[3].to(dev)
     zeros = torch.zeros(b.n, dtype=lp.dtype, device=dev)
-    return zeros.index_add(0, sample, lp), zeros.index_add(0, sample, torch.ones_like(lp)), b.real_tokens
+    lp, n = zeros.index_add(0, sample, lp), zeros.index_add(0, sample, torch.ones_like(lp))
+    if ring.size() > 1:  # each rank of the ring group holds its slice's part of every sample's sums
+        lp, n = ring.sum_over_group(lp), ring.sum_over_group(n)
+    return lp, n, b.real_tokens
 
 
 def evaluate(engine, spec: dict, method, records: list[dict], rank: int, world: int, pad_id: int) -> dict:
-    """The method's final metrics over the whole training set after training: each per-example metric of
-    `method.step` summed over every record (all ranks), then `method.summarize(totals, n)`."""
+    """The method's metrics over `records` (the training set after training, or the eval records during it),
+    in eval mode (no dropout): each per-example metric of `method.step` summed over every record (all ranks),
+    then `method.summarize(totals, n)`, or each metric's mean as `final_{name}` for a method without one (sft)."""
     import torch.distributed as dist
 
     sums: dict[str, float] = {}
     engine.eval()
     mb = spec["micro_train_batch_size"]
     with torch.no_grad():
-        for k in range(rank * mb, len(records), world * mb):
+        for j in range(math.ceil(len(records) / (world * mb))):  # as many forwards on every rank
+            k = (j * world + rank) * mb
+            if k >= len(records):  # ZeRO-3 gathers parameters collectively: this rank forwards, its metrics dropped
+                if spec["zero_stage"] == 3:
+                    method.step(engine, spec, records[:mb], pad_id)
+                continue
             _, met, _ = method.step(engine, spec, records[k:k + mb], pad_id)
             for name, v in met.items():
                 sums[name] = sums.get(name, 0.0) + float(v.sum())
     names = sorted(sums)
     t = torch.tensor([sums[n] for n in names], dtype=torch.float64)
     dist.all_reduce(t)
+    t /= dist.get_world_size() // world  # the ranks of a ring / tensor-parallel group evaluated the same records
     engine.train()
-    return method.summarize(dict(zip(names, t.tolist())), len(records))
+    totals = dict(zip(names, t.tolist()))
+    if hasattr(method, "summarize"):
+        return method.summarize(totals, len(records))
+    return {f"final_{k}": v / len(records) for k, v in totals.items()}
+
+
+def eval_metrics(final: dict) -> dict:
+    """evaluate()'s `final_*` figures renamed `eval_*` (held-out): eval_loss, eval_reward_accuracy, ... The other
+    keys (RM's normalisation statistics, PRM's step count) describe the data, not the model's quality."""
+    return {f"eval_{k[len('final_'):]}": v for k, v in final.items() if k.startswith("final_")}
+
+
+def disable_dropout(model) -> int:
+    """Every dropout probability of the model set to 0, as TRL's disable_dropout_in_model (its default for DPO,
+    reward and KTO training: dropout makes the policy's log-probs noisy beside the reference's, computed
+    without it). nn.Dropout modules, float attributes such as the attention's `attention_dropout` (applied
+    functionally in the attention kernel) and the config's fields (saved in config.json). LoRA's dropout is
+    its own setting (lora_dropout) and stays. Returns how many values were zeroed."""
+    n = 0
+    for name, m in model.named_modules():
+        if "lora_dropout" in name:
+            continue
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            m.p, n = 0.0, n + 1
+        for k, v in vars(m).items():
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0:
+                setattr(m, k, 0.0)
+                n += 1
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for cfg in {id(c): c for c in (core.config, core.config.get_text_config())}.values():
+        for k, v in cfg.to_diff_dict().items():
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0:
+                setattr(cfg, k, 0.0)
+                n += 1
+    return n
 
 
 def save_final(engine, spec: dict, method, rank: int, extra_config: dict) -> None:
@@ -177,7 +222,8 @@ def save_final(engine, spec: dict, method, rank: int, extra_config: dict) -> Non
 
     out = Path(spec["work_dir"]) / "model"
     model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
-    sd = engine._zero3_consolidated_16bit_state_dict() if spec["zero_stage"] == 3 else None  # all ranks
+    sharded = spec["zero_stage"] == 3 or spec.get("ds_tensor_parallel_size", 1) > 1  # ZeRO-3 or AutoTP shards
+    sd = engine._consolidated_16bit_state_dict() if sharded else None  # all ranks take part; rank 0 keeps it
     if rank != 0:
         return
     for k, v in extra_config.items():
@@ -237,6 +283,10 @@ def job_spec(ref: str) -> dict:
     dfs.get_file(dpath, str(local / "data.parquet"))
     spec["data_path"], spec["local_dir"] = str(local / "data.parquet"), str(local)
     spec["model_dir"] = str(model_inputs.fetch_model(spec["model_uri"], so))
+    if spec.get("eval_uri"):
+        dfs, dpath = store.filesystem(spec["eval_uri"], so)
+        dfs.get_file(dpath, str(local / "eval.parquet"))
+        spec["eval_path"] = str(local / "eval.parquet")
     if spec.get("resume"):
         spec["resume_dir"] = str(checkpoints.download(spec["resume"], local / "resume", so))
     return spec
@@ -273,32 +323,38 @@ def main(spec_ref: str) -> None:
     import pyarrow.parquet as pq
     import torch.distributed as dist
 
+    # ring attention: the ranks of a group of ring_attn_size share each micro-batch (rlhf_core.train.ring);
+    # drank / dworld: this rank's place among the data-parallel ranks, which draw different micro-batches
+    # and DeepSpeed AutoTP: the ranks of a group of ds_tensor_parallel_size hold slices of each weight
+    tp = spec.get("ds_tensor_parallel_size", 1)
+    drank, dworld = (ring.setup(rank, world, spec["ring_attn_size"], spec["ring_head_stride"], spec["method"])
+                     if spec.get("ring_attn_size", 1) > 1 else (rank // tp, world // tp))
     torch.manual_seed(spec["seed"])
     records = pq.read_table(spec["data_path"]).to_pylist()
-    plan = BatchPlan([seq_len(r) for r in records], spec["train_batch_size"], spec["micro_train_batch_size"], world,
+    plan = BatchPlan([seq_len(r) for r in records], spec["train_batch_size"], spec["micro_train_batch_size"], dworld,
                      spec["seed"], spec["max_epochs"], spec["length_bucketing"])
     total = plan.total_steps
     method = get_method(spec["method"])
     zero = {"stage": spec["zero_stage"]}
     if spec["adam_offload"]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-    ds_config = {"train_batch_size": spec["train_batch_size"], "train_micro_batch_size_per_gpu": spec["micro_train_batch_size"],
+    ds_config = {"train_batch_size": spec["train_batch_size"] * (world // dworld),  # DeepSpeed counts every rank as data-parallel
+                 "train_micro_batch_size_per_gpu": spec["micro_train_batch_size"],
                  "gradient_clipping": spec["max_norm"], "zero_optimization": zero, "bf16": {"enabled": spec["bf16"]},
                  "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9,
                  "wall_clock_breakdown": False}
+    if tp > 1:  # DeepSpeed shards the linear layers when the engine is built (AutoTP training, deepspeed >= 0.16.4)
+        ds_config["tensor_parallel"] = {"autotp_size": tp}
     model = load_model(spec, cuda, method, ds_config)
+    if ring.size() > 1:
+        ring.use_ring_attention(model)
+    if spec.get("disable_dropout"):
+        _say(rank, f"dropout off: {disable_dropout(model)} dropout values set to 0")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, spec["learning_rate"], spec["adam_betas"], spec["l2"])
-    warm = max(1, math.ceil(spec["lr_warmup_ratio"] * total))
-    min_ratio = spec["min_lr_ratio"]
-
-    def lr_lambda(s: int) -> float:  # linear warm-up, then cosine decay to min_lr_ratio (OpenRLHF cosine_with_min_lr)
-        if s < warm:
-            return (s + 1) / warm
-        prog = (s - warm) / max(1, total - warm)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    warm = schedule.warmup_steps(spec["lr_warmup_ratio"], total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule.lr_factor(
+        spec.get("lr_scheduler", "cosine_with_min_lr"), s, warm, total, spec["min_lr_ratio"]))
     engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)[0])
     pad_id = spec["pad_id"]
     if hasattr(method, "setup"):  # e.g. a frozen teacher the method's step forwards
@@ -312,20 +368,25 @@ def main(spec_ref: str) -> None:
         torch.set_rng_state(torch.tensor(client["rng"], dtype=torch.uint8))
         _say(rank, f"resumed from checkpoint {spec['resume_uri']} at step {start}/{total}")
     tracker = _tracker(spec, history) if rank == 0 and spec.get("tracking") else None
-    _say(rank, f"training {spec['method']}: {len(records)} samples, {total} steps, world size {world}")
+    eval_records = pq.read_table(spec["eval_path"]).to_pylist() if spec.get("eval_path") else []
+    eval_every = spec["eval_steps"] if spec.get("eval_steps") not in (None, -1) else plan.steps_per_epoch  # -1: each epoch's end
+    _say(rank, f"training {spec['method']}: {len(records)} samples, {total} steps, world size {world}"
+         + (f", {len(eval_records)} eval samples every {eval_every} steps" if eval_records else ""))
+    engine.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing act only in train mode
     t0, tokens_done = time.time(), 0
     for step in range(start, total):
         if spec.get("step_sleep"):
             time.sleep(spec["step_sleep"])
         acc: dict[str, float] = {}
-        for mb in plan.micro_batches(step, rank):
+        lr = sched.get_last_lr()[0]  # this step's lr (the engine's step moves the schedule on)
+        for mb in plan.micro_batches(step, drank):
             loss, met, ntok = method.step(engine, spec, [records[i] for i in mb], pad_id)
             engine.backward(loss)
             engine.step()
             tokens_done += ntok
             for k, v in met.items():
-                acc[k] = acc.get(k, 0.0) + float(v.float().mean()) / len(plan.micro_batches(step, rank))
-        history.append({"step": step + 1, "samples": plan.batch(step), "lr": sched.get_last_lr()[0], **acc})
+                acc[k] = acc.get(k, 0.0) + float(v.float().mean()) / len(plan.micro_batches(step, drank))
+        history.append({"step": step + 1, "samples": plan.batch(step), "lr": lr, **acc})
         if tracker:
             tracker.log(history[-1])
         if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
@@ -335,6 +396,12 @@ def main(spec_ref: str) -> None:
             print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items())
                   + f" tokens/s={tokens_done * world / max(took, 1e-9):.0f} eta={eta(took / (step + 1 - start) * (total - step - 1))}",
                   flush=True)
+        if eval_records and ((step + 1) % eval_every == 0 or step + 1 == total):
+            ev = eval_metrics(evaluate(engine, spec, method, eval_records, drank, dworld, pad_id))
+            history[-1].update(ev)  # in the checkpoint's history: a resumed job neither repeats nor loses it
+            if tracker:
+                tracker.log({"step": step + 1, **ev})
+            _say(rank, f"eval step {step + 1}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
         if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
             save_checkpoint(engine, spec, step + 1, history, rank, world)
     train_s = time.time() - t0
@@ -342,14 +409,17 @@ def main(spec_ref: str) -> None:
         tracker.close()
     tok = torch.tensor([tokens_done], dtype=torch.float64)
     dist.all_reduce(tok)
-    final = evaluate(engine, spec, method, records, rank, world, pad_id) if hasattr(method, "summarize") else {}
+    tok /= tp  # tensor-parallel ranks forwarded the same tokens (ring ranks counted their own slices)
+    final = evaluate(engine, spec, method, records, drank, dworld, pad_id) if hasattr(method, "summarize") else {}
     save_final(engine, spec, method, rank, method.saved_config(final, spec) if hasattr(method, "saved_config") else {})
     if rank == 0:
         seen = [i for h in history for i in h["samples"]]
         result = {"steps_done": len(history) and history[-1]["step"], "planned_steps": total, "samples_seen": len(seen),
                   "resumed_from_step": start, "tokens_per_s": float(tok[0]) / max(train_s, 1e-9) if total > start else 0.0,
                   "train_seconds": train_s, "history": history, **final}
-        for k in (k for k in (history[0] if history else {}) if k not in ("step", "samples", "lr")):  # every logged metric
+        result |= next(({k: v for k, v in h.items() if k.startswith("eval_")} for h in reversed(history)
+                        if any(k.startswith("eval_") for k in h)), {})  # the last evaluation's figures
+        for k in (k for k in (history[0] if history else {}) if k not in ("step", "samples", "lr") and not k.startswith("eval_")):
             result[f"first_{k}"], result[f"last_{k}"] = history[0][k], history[-1][k]
         (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(result))
         print(f"done: {result['steps_done']}/{total} steps, {result['samples_seen']} samples", flush=True)

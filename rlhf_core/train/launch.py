@@ -74,6 +74,36 @@ class TrainFields(BaseModel):
     use_wandb: bool = Field(False, description="A W&B run of every step (online with WANDB_API_KEY, else offline in wandb/).")
     wandb_project: str = Field("rlhf-flows", description="W&B project.")
     wandb_run_name: str | None = Field(None, description="W&B run name (default: the artifact URI's last parts).")
+    # part B (issue 24): held-out evaluation during training, the learning-rate schedule, dropout
+    eval_dataset: str | None = Field(None, description="Held-out data with the training data's schema, evaluated during "
+                                     "training: a committed artifact or raw source(s) (OpenRLHF --eval.dataset; dpo: a "
+                                     "reference artifact of the eval pairs).")
+    eval_split: str = Field("test", description="Split of eval_dataset sources that have splits; a source without splits "
+                            "is read whole (OpenRLHF --eval.split).")
+    eval_holdout: float = Field(0.0, ge=0, lt=1, description="Fraction of the training rows held out (seeded) as the "
+                                "eval data instead of eval_dataset: what a committed artifact, which has no splits, offers.")
+    max_eval_samples: int | None = Field(None, ge=1, description="Evaluate at most this many eval rows.")
+    eval_steps: int | None = Field(None, ge=-1, description="Evaluate every N optimizer steps and at the end; None or -1: "
+                                   "at the end of each epoch (OpenRLHF --eval.steps -1).")
+    lr_scheduler: Literal["cosine_with_min_lr", "constant", "constant_with_warmup", "linear"] = Field(
+        "cosine_with_min_lr", description="transformers' get_scheduler schedule (OpenRLHF --lr_scheduler); "
+        "warm-up steps = ceil(lr_warmup_ratio x steps); min_lr_ratio applies to cosine_with_min_lr.")
+    disable_dropout: bool | None = Field(None, description="Set every dropout probability of the model to 0 (not LoRA's); "
+                                         "None: on for dpo / rm / kto (TRL's default), off for the others.")
+    # part C (issue 24): scale: ring attention, DeepSpeed AutoTP, MoE auxiliary loss, Liger kernels
+    ring_attn_size: int = Field(1, ge=1, description="Ranks that split each packed micro-batch's sequence, attention "
+                                "seeing the whole row through K/V gathered over the group (OpenRLHF --ds.ring_attn_size; "
+                                "needs packing_samples; data-parallel size = world / ring_attn_size; sft, dpo, kto).")
+    ring_head_stride: int = Field(1, ge=1, description="KV heads gathered over the ring group at a time (OpenRLHF "
+                                  "--ds.ring_attn_head_stride): fewer means less memory for the gathered K/V.")
+    ds_tensor_parallel_size: int = Field(1, ge=1, description="DeepSpeed AutoTP training: ranks that each hold a slice of "
+                                         "every linear layer (OpenRLHF --ds.tensor_parallel_size; data-parallel size = "
+                                         "world / this; ZeRO stage 0-2, full fine-tuning).")
+    aux_loss_coef: float = Field(0.0, ge=0, description="MoE load-balancing loss weight (OpenRLHF --model.aux_loss_coef): "
+                                 "loss += coef x transformers' load_balancing_loss_func of the router logits; > 0 needs "
+                                 "an MoE model; 0: the router trains only through the method's loss.")
+    use_liger_kernel: bool = Field(False, description="Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the "
+                                   "model (OpenRLHF --ds.use_liger_kernel): CUDA only, the liger-kernel package (gpu extra).")
 
     @model_validator(mode="after")
     def _batches_divide(self):
@@ -85,6 +115,29 @@ class TrainFields(BaseModel):
             raise ValueError("LoRA with zero_stage 3 is not supported: use zero_stage 2")
         if self.load_in_4bit and not self.lora_rank:
             raise ValueError("load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: set lora_rank > 0")
+        if self.eval_dataset and self.eval_holdout:
+            raise ValueError("give eval_dataset or eval_holdout, not both")
+        if not (self.eval_dataset or self.eval_holdout):
+            given = [k for k in ("eval_steps", "max_eval_samples") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} set but there is no eval data: set eval_dataset or eval_holdout")
+        if self.eval_steps == 0:
+            raise ValueError("eval_steps must be >= 1, or -1 / None for each epoch's end")
+        return self
+
+    @model_validator(mode="after")
+    def _scale_settings(self):  # part C (issue 24)
+        world = self.num_gpus * self.num_nodes
+        if self.ring_attn_size > 1 and not self.packing_samples:
+            raise ValueError("ring_attn_size > 1 splits a packed row over ranks: set packing_samples=true")
+        if self.ring_attn_size > 1 and self.ds_tensor_parallel_size > 1:
+            raise ValueError("ring_attn_size and ds_tensor_parallel_size together are not supported: use one")
+        for k in ("ring_attn_size", "ds_tensor_parallel_size"):
+            if world % getattr(self, k):
+                raise ValueError(f"{k} {getattr(self, k)} does not divide the world size {world} (num_gpus x num_nodes)")
+        if self.ds_tensor_parallel_size > 1 and (self.zero_stage == 3 or self.lora_rank):
+            raise ValueError("ds_tensor_parallel_size > 1 is supported with zero_stage 0-2 and full fine-tuning "
+                             "(lora_rank 0)")
         return self
 
 
@@ -100,7 +153,14 @@ class SourceFields(BaseModel):
 TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
                  "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
                  "wandb_project", "wandb_run_name"}
-SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "max_len", "overlong"}
+SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "max_len", "overlong", "eval_dataset",
+                                             "eval_split", "eval_holdout", "max_eval_samples"}
+
+
+# Methods that train with dropout off unless disable_dropout says otherwise: TRL's DPOConfig, RewardConfig and
+# KTOConfig default to disable_dropout=True (a policy compared with its reference, a reward compared across a
+# pair: dropout noise enters the margin). OpenRLHF has no such switch: models train with their config's dropout.
+DROPOUT_OFF = {"dpo", "rm", "kto"}
 
 
 def check_hardware(cfg) -> None:
@@ -108,23 +168,52 @@ def check_hardware(cfg) -> None:
 
     if cfg.load_in_4bit and not torch.cuda.is_available():
         raise ValueError("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none: set load_in_4bit=false")
+    if cfg.use_liger_kernel and not torch.cuda.is_available():  # Liger's kernels are Triton GPU kernels
+        raise ValueError("use_liger_kernel needs a CUDA GPU (Liger's Triton kernels); this host has none: "
+                         "set use_liger_kernel=false")
 
 
 def input_manifests(cfg) -> dict[str, store.Manifest]:
-    srcs = [s.strip() for s in cfg.dataset_uri.split(",") if s.strip()]
-    return {f"dataset{i or ''}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(srcs)}
+    out = {}
+    for key, uris in (("dataset", cfg.dataset_uri), ("eval_dataset", cfg.eval_dataset or "")):
+        srcs = [s.strip() for s in uris.split(",") if s.strip()]
+        out |= {f"{key}{i or ''}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(srcs)}
+    return out
 
 
-def load_rows(cfg, kind: str, fmt: data.Format, tokenizer) -> list[dict]:
-    """Rows of `kind` ("sft" or "pairs") from a committed artifact or raw OpenRLHF-format source(s)."""
-    uri = cfg.dataset_uri
+def load_rows(cfg, kind: str, fmt: data.Format, tokenizer, eval: bool = False) -> list[dict]:
+    """Rows of `kind` ("sft" or "pairs") from a committed artifact or raw OpenRLHF-format source(s): the training
+    data, or with `eval` the eval_dataset (its eval_split, unmixed: OpenRLHF blends eval sources without
+    probabilities)."""
+    uri, limit = (cfg.eval_dataset, cfg.max_eval_samples) if eval else (cfg.dataset_uri, cfg.max_samples)
     if "," not in uri and store.committed_any(uri, cfg.storage_options):
         table = store.read_table(uri, storage_options=cfg.storage_options)
         data.validate_table(table, kind, uri)
         rows = table.to_pylist()
-        return rows[: cfg.max_samples] if cfg.max_samples else rows
-    raw = data.load_mixture(uri, cfg.dataset_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
+        return rows[:limit] if limit else rows
+    raw = data.load_mixture(uri, None if eval else cfg.dataset_probs, limit, cfg.seed, cfg.storage_options,
+                            split=cfg.eval_split if eval else "train")
     return (data.sft_rows if kind == "sft" else data.pair_rows)(raw, fmt, tokenizer)
+
+
+def split_eval(cfg, load) -> tuple[list, list]:
+    """(training rows, eval rows). `load(eval: bool)` reads the training rows or the eval_dataset's rows with the
+    same code, so eval data of another schema fails as training data would (source, row, key). eval_holdout:
+    a seeded draw of round(eval_holdout x n) training rows (at least one) is held out, never trained on;
+    max_eval_samples caps the rows evaluated."""
+    rows = load(False)
+    if cfg.eval_dataset:
+        return rows, load(True)
+    if not cfg.eval_holdout:
+        return rows, []
+    import random
+
+    k = max(1, round(cfg.eval_holdout * len(rows)))
+    if k >= len(rows):
+        raise data.DataError(f"{cfg.dataset_uri}: eval_holdout {cfg.eval_holdout} of {len(rows)} rows leaves none to train on")
+    held = set(random.Random(cfg.seed).sample(range(len(rows)), k))
+    evals = [r for i, r in enumerate(rows) if i in held]
+    return [r for i, r in enumerate(rows) if i not in held], evals[: cfg.max_eval_samples]
 
 
 def tokenizer_id(tok) -> str:
@@ -136,8 +225,11 @@ def tokenizer_id(tok) -> str:
 
 
 def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[dict], model_dir: Path, tokenizer,
-                     extra_spec: dict, metrics: dict, model_uri: str | None = None) -> store.Manifest:
-    """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`.
+                     extra_spec: dict, metrics: dict, model_uri: str | None = None,
+                     eval_records: list[dict] | None = None) -> store.Manifest:
+    """Launch the DeepSpeed job on tokenized `records`, then upload model + log and commit `w`. `eval_records`
+    (tokenized like `records`) travel with them: the job evaluates on them every eval_steps and at the end, and
+    the last evaluation's `eval_*` figures join the manifest's metrics (every one is in training_log.json).
 
     The job's spec and data also go to `{output_uri}/_job/` (removed when the job exits) so ranks on other
     nodes fetch them (and `model_uri`, and the resume checkpoint) from the store into their own caches:
@@ -151,7 +243,7 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     if result:
         log.info("reusing the model trained for %s in %s (its upload had failed): not retraining", w.uri, work)
     else:
-        result = _train(cfg, w, work, method, records, model_dir, tokenizer, extra_spec, model_uri)
+        result = _train(cfg, w, work, method, records, model_dir, tokenizer, extra_spec, model_uri, eval_records or [])
     tracked = [sub for sub in ("tensorboard", "wandb") if (work / "tracking" / sub).is_dir()]  # the job wrote them live
     for attempt in range(cfg.upload_retries + 1):
         try:
@@ -159,7 +251,8 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
             for sub in tracked:
                 w.upload_dir(work / "tracking" / sub, sub)
             w.write_json("training_log.json", result["history"])
-            m = w.commit(metrics={**metrics, **{k: v for k, v in result.items() if k != "history"}})
+            m = w.commit(metrics={**metrics, **({"eval_rows": len(eval_records)} if eval_records else {}),
+                                  **{k: v for k, v in result.items() if k != "history"}})
             break
         except store.LockLost:
             raise
@@ -187,15 +280,19 @@ def _finished(work: Path) -> dict | None:
 
 
 def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[dict], model_dir: Path, tokenizer,
-           extra_spec: dict, model_uri: str | None) -> dict:
+           extra_spec: dict, model_uri: str | None, eval_records: list[dict]) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(records), work / "data.parquet")
+    if eval_records:
+        pq.write_table(pa.Table.from_pylist(eval_records), work / "eval.parquet")
     job_uri = store.join(w.uri, "_job")
     fs, job_path = store.filesystem(job_uri, cfg.storage_options)
     fs.makedirs(job_path, exist_ok=True)
     store.check_fence()
     fs.put_file(str(work / "data.parquet"), store.join(job_path, "data.parquet"))
+    if eval_records:  # ranks on other nodes fetch it as they fetch data.parquet (entry.job_spec)
+        fs.put_file(str(work / "eval.parquet"), store.join(job_path, "eval.parquet"))
     ckpt_uri = store.join(w.uri, "checkpoints")
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
@@ -206,6 +303,9 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
             "pad_id": models.pad_id(tokenizer, model_dir), "resume_dir": str(resume_dir) if resume_dir else None,
             "resume_uri": meta["uri"] if meta else None, "resume": meta, "step_sleep": cfg.debug_step_sleep,
             "model_uri": model_uri or str(model_dir), "data_uri": store.join(job_uri, "data.parquet"),
+            "eval_path": str(work / "eval.parquet") if eval_records else None,
+            "disable_dropout": method in DROPOUT_OFF if cfg.disable_dropout is None else cfg.disable_dropout,
+            "eval_uri": store.join(job_uri, "eval.parquet") if eval_records else None,
             "launch_cache": str(store.cache_root()), "fence": os.environ.get(store.FENCE_ENV),
             "tracking": {"tensorboard": cfg.use_tensorboard, "wandb": cfg.use_wandb, "project": cfg.wandb_project,
                          "run_name": cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]), "config": cfg.semantic()}
