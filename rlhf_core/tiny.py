@@ -4,8 +4,10 @@ causal LM and a Llama sequence-classification reward model, saved as HF `save_pr
 `build_zoo_model` builds the same for other architectures with tokenizers that mimic their real checkpoints'
 special-token setups (ZOO): Llama-3 (no pad token, BOS added by the tokenizer and written by the template,
 EOS list <|end_of_text|> + <|eot_id|>, header template), Qwen2 (tied embeddings, qkv bias, GQA, no BOS,
-<|im_start|> template, EOS list), Mistral (no pad, [INST] template) and Phi-3 (fused qkv / gate_up
-projections, <|user|> template, pad != eos, EOS list).
+<|im_start|> template, EOS list), Mistral (no pad, [INST] template), Phi-3 (fused qkv / gate_up
+projections, <|user|> template, pad != eos, EOS list), and for attention variety Gemma-2 (alternating sliding-window
+and full layers, attention and final-logit soft-capping, <start_of_turn> template) and Mistral v0.1 with a sliding
+window on every layer; Mixtral (MoE: 4 experts, top-2 routing) for the MoE auxiliary loss.
 
 Sizes default to hidden 128 with 2 heads, so head_dim is 64 (vLLM's CPU attention rejects 16). Same seed,
 same bytes: the tokenizer is trained on a fixed corpus and weights are drawn from a seeded generator.
@@ -105,6 +107,26 @@ ZOO: dict[str, dict] = {
                  generation_eos=["<|endoftext|>", "<|end|>"],
                  template="{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
                           "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+    # MoE (issue 24, part C): Mixtral-shaped, 4 experts of which 2 per token, Mistral's tokenizer setup
+    "mixtral": dict(model_type="mixtral", special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+                    bos="<s>", eos="</s>", pad=None, unk="<unk>", add_bos=True, generation_eos=["</s>"],
+                    config=dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+                    template="{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+                             " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"),
+    # attention variety (issue 24, part A): windows shorter than the test sequences, so packed and shared-prompt
+    # layouts must honour them; soft-caps low enough that tiny random weights reach them (Gemma-2 uses 50 / 30)
+    "gemma2": dict(model_type="gemma2", special=["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+                   bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>", add_bos=True, generation_eos=["<eos>", "<end_of_turn>"],
+                   tie=True, config=dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=8,  # layers: sliding, full
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+                   template="{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                            "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+    "mistral-sw": dict(model_type="mistral", special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],  # Mistral v0.1: every layer slides
+                       bos="<s>", eos="</s>", pad=None, unk="<unk>", add_bos=True, generation_eos=["</s>"],
+                       config=dict(sliding_window=8),
+                       template="{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+                                " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"),
 }
 
 
@@ -145,7 +167,8 @@ def build_zoo_model(out_dir: str | Path, arch: str, lines: list[str], kind: str 
                                num_hidden_layers=layers, num_attention_heads=heads,
                                num_key_value_heads=z.get("kv_heads", heads), max_position_embeddings=256,
                                tie_word_embeddings=z.get("tie", False), pad_token_id=ids(z["pad"]),
-                               bos_token_id=ids(z["bos"]), eos_token_id=[ids(t) for t in z["generation_eos"]])
+                               bos_token_id=ids(z["bos"]), eos_token_id=[ids(t) for t in z["generation_eos"]],
+                               **z.get("config", {}))
     torch.manual_seed(seed)
     if kind == "policy":
         model = AutoModelForCausalLM.from_config(cfg)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, model_validator
 
 from rlhf_core import data, jobs, models, store
-from rlhf_core.train import checkpoints
+from rlhf_core.train import attention, checkpoints
 
 log = logging.getLogger("rlhf_flows")
 
@@ -74,6 +74,12 @@ class TrainFields(BaseModel):
     use_wandb: bool = Field(False, description="A W&B run of every step (online with WANDB_API_KEY, else offline in wandb/).")
     wandb_project: str = Field("rlhf-flows", description="W&B project.")
     wandb_run_name: str | None = Field(None, description="W&B run name (default: the artifact URI's last parts).")
+    # part A (issue 24): attention layouts
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "sdpa", description="transformers' attention kernel (OpenRLHF --flash_attn = flash_attention_2, CUDA + the "
+        "flash_attn package). Packed and shared-prompt batches: flex_attention builds a block mask (no (T, T) tensor; "
+        "training needs CUDA: no flex backward on CPU), flash_attention_2 packs by position ids (pairs go as two "
+        "sequences), sdpa / eager get a dense (T, T) mask. Models with attention soft-capping (Gemma-2): not sdpa.")
     # part B (issue 24): held-out evaluation during training, the learning-rate schedule, dropout
     eval_dataset: str | None = Field(None, description="Held-out data with the training data's schema, evaluated during "
                                      "training: a committed artifact or raw source(s) (OpenRLHF --eval.dataset; dpo: a "
@@ -168,6 +174,7 @@ def check_hardware(cfg) -> None:
 
     if cfg.load_in_4bit and not torch.cuda.is_available():
         raise ValueError("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none: set load_in_4bit=false")
+    attention.check(cfg.attn_implementation)  # part A: an implementation this host can train with
     if cfg.use_liger_kernel and not torch.cuda.is_available():  # Liger's kernels are Triton GPU kernels
         raise ValueError("use_liger_kernel needs a CUDA GPU (Liger's Triton kernels); this host has none: "
                          "set use_liger_kernel=false")
@@ -237,6 +244,7 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     The trained model stays in the local work folder until the commit succeeded: a failed upload is retried
     (`upload_retries`), and a rerun after it failed finds the finished job there and commits without
     retraining."""
+    attention.check(cfg.attn_implementation, model_dir)  # part A: one the model supports, before work
     w.begin()  # checkpoints/ is kept: the same job resumes from it
     work = store.cache_root() / "jobs" / w.fingerprint
     result = _finished(work)
