@@ -20,6 +20,7 @@ import torch
 from rlhf_core import losses
 from rlhf_core.train import adamw, checkpoints, no_lone_allreduce, ring, schedule
 from rlhf_core.train import attention
+from rlhf_core.train import moe
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
@@ -80,6 +81,12 @@ def load_model(spec: dict, cuda: bool, method, ds_config: dict | None = None):
     model = auto.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True, **head, **kwargs,
                                  attn_implementation=spec.get("attn_implementation", "sdpa"))
     del zero3
+    if spec.get("use_liger_kernel"):  # Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into this instance
+        if not cuda:
+            raise SystemExit("use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton GPU kernels); this host has none")
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
     if spec.get("load_in_4bit"):
         from peft import prepare_model_for_kbit_training
 
@@ -136,9 +143,12 @@ def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, 
     attention runs (its varlen kernel has no shared prefix: the pair's sequences go apart; attention.py)."""
     if pairs and not spec["packing_samples"] and not spec.get("attn_implementation", "sdpa").startswith("flash"):
         k = len(seqs) // 2
-        return collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
-    b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
-    return ring.local_batch(b, pad_id) if ring.size() > 1 else b  # this rank's slice of the packed row
+        b = collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
+    else:
+        b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+        b = ring.local_batch(b, pad_id) if ring.size() > 1 else b  # this rank's slice of the packed row
+    moe.note_tokens(b)  # its real tokens, for the MoE load-balancing loss (aux_loss_coef)
+    return b
 
 
 def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
@@ -348,6 +358,8 @@ def main(spec_ref: str) -> None:
     model = load_model(spec, cuda, method, ds_config)
     if ring.size() > 1:
         ring.use_ring_attention(model)
+    if spec.get("aux_loss_coef"):  # MoE: the router's load-balancing loss joins every step's loss
+        method = moe.with_aux_loss(method, model, spec["aux_loss_coef"])
     if spec.get("disable_dropout"):
         _say(rank, f"dropout off: {disable_dropout(model)} dropout values set to 0")
     params = [p for p in model.parameters() if p.requires_grad]

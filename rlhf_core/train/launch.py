@@ -138,6 +138,8 @@ class TrainFields(BaseModel):
             raise ValueError("ring_attn_size > 1 splits a packed row over ranks: set packing_samples=true")
         if self.ring_attn_size > 1 and self.ds_tensor_parallel_size > 1:
             raise ValueError("ring_attn_size and ds_tensor_parallel_size together are not supported: use one")
+        if self.ring_attn_size > 1 and self.aux_loss_coef:
+            raise ValueError("aux_loss_coef with ring_attn_size > 1 is not supported (each rank routes only its slice)")
         for k in ("ring_attn_size", "ds_tensor_parallel_size"):
             if world % getattr(self, k):
                 raise ValueError(f"{k} {getattr(self, k)} does not divide the world size {world} (num_gpus x num_nodes)")
