@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flows import table
 from flows.calls import call, stage, stage_config
 from flows.credentials import use_credentials
-from flows.report import Report
+from flows.report import Report, training_columns
 from rlhf_core import store
 from stages.common import ConfigError
 
@@ -244,9 +244,7 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
     for name in ("dpo", "kto", "sft", "kd"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]
-            row.update({f"{name}_{key}": tm.get(f"final_{key}") for key in ("loss", "reward_margin", "reward_accuracy", "reward_gap", "kl")
-                        if f"final_{key}" in tm})
-            row[f"{name}_steps"] = tm.get("steps_done")
+            row.update(training_columns(name, tm))
     ec = report.eval_cfg
     if ec.get("prompts_uri") and (ec.get("reward_model_uri") or ec.get("remote_rm_url") or ec.get("gold_reward_file")):
         ev = stage("eval")

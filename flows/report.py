@@ -161,6 +161,16 @@ class Report:
                                  key=f"{key}-plot", description="reward, KL and response length per iteration")
 
 
+def training_columns(name: str, metrics: dict) -> dict:
+    """A training stage's columns of an iteration's row, from its manifest's metrics: the final figures over
+    its training data ({name}_loss, _reward_margin, ...), every held-out figure when it evaluated on eval data
+    ({name}_eval_loss, {name}_eval_reward_accuracy, ...: eval_dataset / eval_holdout) and its step count."""
+    row = {f"{name}_{key}": metrics[f"final_{key}"] for key in ("loss", "reward_margin", "reward_accuracy", "reward_gap", "kl")
+           if f"final_{key}" in metrics}
+    row |= {f"{name}_{k}": v for k, v in metrics.items() if k.startswith("eval_") and k != "eval_rows"}
+    return row | {f"{name}_steps": metrics.get("steps_done")}
+
+
 # What a user watches first (gold / RM reward, KL, length), then the loop's own numbers; stage timings last.
 FIRST = ("iteration", "gold_reward", "gold_reward_low", "rm_reward", "rm_reward_low", "kl", "response_length", "samples", "kept", "ties_dropped",
          "train_rm_reward")

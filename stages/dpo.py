@@ -14,7 +14,8 @@ from pydantic import Field, model_validator
 
 from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
-from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, tokenizer_id, train_and_commit
+from rlhf_core.train.launch import (TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, split_eval, tokenizer_id,
+                                    train_and_commit)
 from stages.common import ConfigError, StageConfig, stage_task
 
 REF_COLUMNS = ("ref_chosen_logp", "ref_rejected_logp")
@@ -43,26 +44,43 @@ def run(cfg: Config) -> store.Manifest:
                              cfg.storage_options)
     if (done := w.existing()):
         return done
-    pairs = store.read_manifest(cfg.dataset_uri, "reference", cfg.storage_options)  # pairs + reference log-probs
-    table = store.read_table(cfg.dataset_uri, storage_options=cfg.storage_options)
-    data.validate_table(table, "pairs", cfg.dataset_uri)
-    if missing := [c for c in REF_COLUMNS if c not in table.column_names]:
-        raise data.DataError(f"{cfg.dataset_uri}: pairs lack {missing}: run the reference stage on them first")
     model_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
+    rows, eval_rows = split_eval(cfg, lambda ev: reference_rows(cfg, tok, ev))
+    records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, extra=REF_COLUMNS,
+                                          model_dir=model_dir)
+    eval_records = batches.tokenize_pairs(eval_rows, tok, cfg.max_len, cfg.overlong, where=cfg.eval_dataset or cfg.dataset_uri,
+                                          extra=REF_COLUMNS, model_dir=model_dir)[0] if eval_rows else []
+    spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef")}
+    return train_and_commit(cfg, w, "dpo", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut},
+                            model_uri=cfg.policy_uri, eval_records=eval_records)
+
+
+def reference_rows(cfg: Config, tok, eval: bool) -> list[dict]:
+    """Pairs with reference log-probs: the rows of a committed `reference` artifact (the training data, or with
+    `eval` the eval_dataset: the reference stage run on the eval pairs), checked comparable with this run (the
+    same tokenizer, max_len, overlong and dtype as its reference pass)."""
+    uri, limit = (cfg.eval_dataset, cfg.max_eval_samples) if eval else (cfg.dataset_uri, cfg.max_samples)
+    if eval and not store.committed_any(uri, cfg.storage_options):
+        raise data.DataError(f"eval_dataset {uri}: dpo evaluates on pairs with reference log-probs {list(REF_COLUMNS)}, "
+                             "a committed reference artifact: run the reference stage on the eval pairs, or set eval_holdout")
+    table = store.read_table(uri, storage_options=cfg.storage_options)
+    missing = [c for c in REF_COLUMNS if c not in table.column_names]
+    if eval and missing:  # other pairs than the reference stage's: say what they lack
+        raise data.DataError(f"eval_dataset {uri}: pairs lack {missing}: run the reference stage on them first")
+    pairs = store.read_manifest(uri, "reference", cfg.storage_options)  # pairs + reference log-probs
+    data.validate_table(table, "pairs", uri)
+    if missing:
+        raise data.DataError(f"{uri}: pairs lack {missing}: run the reference stage on them first")
     if (ref_tok := pairs.metrics.get("tokenizer_id")) != tokenizer_id(tok):
-        raise ConfigError(f"policy {cfg.policy_uri} and the reference model of {cfg.dataset_uri} use different "
+        raise ConfigError(f"policy {cfg.policy_uri} and the reference model of {uri} use different "
                           f"tokenizers ({tokenizer_id(tok)} vs {ref_tok}): their log-probs are not comparable")
     mine, theirs = (cfg.max_len, cfg.overlong, cfg.bf16), tuple(pairs.metrics.get(k, False) for k in ("max_len", "overlong", "bf16"))
     if mine != theirs:  # other tokens or another dtype: log-probs not comparable, margin != 0 at step 0
-        raise ConfigError(f"dpo max_len/overlong/bf16 {mine} differ from the reference pass of {cfg.dataset_uri} "
+        raise ConfigError(f"dpo max_len/overlong/bf16 {mine} differ from the reference pass of {uri} "
                           f"{theirs}: rerun the reference stage with dpo's settings")
-    rows = table.to_pylist()[: cfg.max_samples] if cfg.max_samples else table.to_pylist()
-    records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, extra=REF_COLUMNS,
-                                            model_dir=model_dir)
-    spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef")}
-    return train_and_commit(cfg, w, "dpo", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut},
-                            model_uri=cfg.policy_uri)
+    rows = table.to_pylist()
+    return rows[:limit] if limit else rows
 
 
 task = stage_task("dpo", run)

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches, launch
-from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, split_eval, train_and_commit
 from stages.common import ConfigError, StageConfig, stage_task
 
 
@@ -63,12 +63,14 @@ def run(cfg: Config) -> store.Manifest:
     check_teacher(cfg, model_dir, tok, teacher_dir)
     fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
                       input_template=cfg.input_template)
-    rows = load_rows(cfg, "sft", fmt, tok)
+    rows, eval_rows = split_eval(cfg, lambda ev: load_rows(cfg, "sft", fmt, tok, eval=ev))
     records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, overlong=cfg.overlong, where=cfg.dataset_uri, model_dir=model_dir)
+    eval_records = batches.tokenize_sft(eval_rows, tok, cfg.max_len, overlong=cfg.overlong, where=cfg.eval_dataset or cfg.dataset_uri,
+                                        model_dir=model_dir)[0] if eval_rows else []
     spec = {"kd_coef": cfg.kd_coef, "teacher_offload": cfg.teacher_offload, "teacher_dir": str(teacher_dir),
             "teacher_uri": cfg.teacher_uri}
     return train_and_commit(cfg, w, "kd", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut},
-                            model_uri=cfg.policy_uri)
+                            model_uri=cfg.policy_uri, eval_records=eval_records)
 
 
 task = stage_task("kd", run)

@@ -44,9 +44,10 @@ class Config(StageConfig, TrainFields, SourceFields):
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
 
 
-def load_kto_rows(cfg: Config, tok) -> list[dict]:
-    """kto rows from a committed kto or pairs artifact, or raw unpaired / paired sources."""
-    uri = cfg.dataset_uri
+def load_kto_rows(cfg: Config, tok, eval: bool = False) -> list[dict]:
+    """kto rows from a committed kto or pairs artifact, or raw unpaired / paired sources: the training data, or
+    with `eval` the eval_dataset (its eval_split, unmixed)."""
+    uri, limit = (cfg.eval_dataset, cfg.max_eval_samples) if eval else (cfg.dataset_uri, cfg.max_samples)
     if "," not in uri and store.committed_any(uri, cfg.storage_options):
         table = store.read_table(uri, storage_options=cfg.storage_options)
         if "completion" in table.column_names:
@@ -55,8 +56,9 @@ def load_kto_rows(cfg: Config, tok) -> list[dict]:
         else:
             data.validate_table(table, "pairs", uri)
             rows = data.pairs_to_kto(table.to_pylist())
-        return rows[: cfg.max_samples] if cfg.max_samples else rows
-    raw = data.load_mixture(uri, cfg.dataset_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
+        return rows[:limit] if limit else rows
+    raw = data.load_mixture(uri, None if eval else cfg.dataset_probs, limit, cfg.seed, cfg.storage_options,
+                            split=cfg.eval_split if eval else "train")
     fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, label_key=cfg.label_key, chosen_key=cfg.chosen_key,
                       rejected_key=cfg.rejected_key, apply_chat_template=cfg.apply_chat_template,
                       input_template=cfg.input_template)
@@ -73,13 +75,15 @@ def run(cfg: Config) -> store.Manifest:
         return done
     model_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy)
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.policy_uri)
-    rows = load_kto_rows(cfg, tok)
+    rows, eval_rows = launch.split_eval(cfg, lambda ev: load_kto_rows(cfg, tok, ev))
     n_d, n_u = data.check_kto_classes(rows, cfg.dataset_uri, cfg.label_key)
     ratio = cfg.desirable_loss_weight * n_d / (cfg.undesirable_loss_weight * n_u)
     if not 1 <= ratio <= 4 / 3:  # the paper's sec. 4.2 advice; TRL warns likewise
         log.warning("kto: desirable_loss_weight x %d desirable / (undesirable_loss_weight x %d undesirable) = %.2f, "
                     "outside the recommended [1, 4/3]", n_d, n_u, ratio)
     records, cut = kto.tokenize(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri, seed=cfg.seed, model_dir=model_dir)
+    eval_records = kto.tokenize(eval_rows, tok, cfg.max_len, cfg.overlong, where=cfg.eval_dataset or cfg.dataset_uri,
+                                seed=cfg.seed, model_dir=model_dir)[0] if eval_rows else []
 
     ref_dir = model_inputs.fetch_model(cfg.ref_uri, cfg.storage_options, manifest=ref) if cfg.ref_uri else model_dir
     if cfg.ref_uri and launch.tokenizer_id(models.load_tokenizer(ref_dir, where=cfg.ref_uri)) != launch.tokenizer_id(tok):
@@ -88,17 +92,18 @@ def run(cfg: Config) -> store.Manifest:
     one_device = cfg.num_gpus * cfg.num_nodes == 1 and cfg.zero_stage != 3
     w.begin()
     pairs = [{"chosen_ids": r["ids"], "chosen_start": r["start"], "rejected_ids": r["kl_ids"], "rejected_start": r["kl_start"]}
-             for r in records]  # the reference pass forwards (example, mismatched pair) as it does (chosen, rejected)
+             for r in records + eval_records]  # the reference pass forwards (example, mismatched pair) as (chosen, rejected)
     ref_lp, ref_kl, ref_s = compute(pairs, ref_dir, models.pad_id(tok, model_dir), store.cache_root() / "jobs" / f"{w.fingerprint}-ref",
                                     bf16=cfg.bf16, zero_stage=3 if cfg.zero_stage == 3 else 0, batch_size=cfg.micro_train_batch_size,
                                     packing_samples=cfg.packing_samples, launcher="inline" if one_device else cfg.launcher,
-                                    num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, hostfile=cfg.hostfile)
-    for r, a, b in zip(records, ref_lp, ref_kl):
+                                    num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, hostfile=cfg.hostfile,
+                                    attn_implementation=cfg.attn_implementation)
+    for r, a, b in zip(records + eval_records, ref_lp, ref_kl):  # one pass for training and eval records
         r["ref_logp"], r["ref_kl_logp"] = a, b
     spec = {k: getattr(cfg, k) for k in ("beta", "desirable_loss_weight", "undesirable_loss_weight")}
     return train_and_commit(cfg, w, "kto", records, model_dir, tok, spec,
                             {"rows": len(records), "desirable": n_d, "undesirable": n_u, "truncated": cut,
-                             "reference_seconds": ref_s}, model_uri=cfg.policy_uri)
+                             "reference_seconds": ref_s}, model_uri=cfg.policy_uri, eval_records=eval_records)
 
 
 task = stage_task("kto", run)

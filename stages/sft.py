@@ -11,13 +11,14 @@ not only the last.
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 from pydantic import Field, model_validator
 
 from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
-from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, split_eval, train_and_commit
 from stages.common import ConfigError, StageConfig, stage_task
 
 
@@ -58,17 +59,26 @@ def run(cfg: Config) -> store.Manifest:
         if "," not in cfg.dataset_uri and store.committed_any(cfg.dataset_uri, cfg.storage_options):
             raise ConfigError(f"multiturn: {cfg.dataset_uri} is a committed artifact of (input, output) rows, "
                               "not conversations: give raw rows with message lists")
-        raw = data.load_mixture(cfg.dataset_uri, cfg.dataset_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
-        records, cut = batches.tokenize_multiturn(data.conversation_rows(raw, cfg.input_key), tok, cfg.max_len, cfg.overlong,
-                                                  where=cfg.dataset_uri, model_dir=model_dir)
+
+        def conversations(ev: bool) -> list[dict]:  # the training data, or eval_dataset's eval_split (unmixed)
+            uri, probs, limit = ((cfg.eval_dataset, None, cfg.max_eval_samples) if ev
+                                 else (cfg.dataset_uri, cfg.dataset_probs, cfg.max_samples))
+            raw = data.load_mixture(uri, probs, limit, cfg.seed, cfg.storage_options, split=cfg.eval_split if ev else "train")
+            return data.conversation_rows(raw, cfg.input_key)
+
+        rows, eval_rows = split_eval(cfg, conversations)
+        tokenize = functools.partial(batches.tokenize_multiturn, tok=tok, max_len=cfg.max_len, overlong=cfg.overlong,
+                                     model_dir=model_dir)
     else:
         fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
                           input_template=cfg.input_template)
-        rows = load_rows(cfg, "sft", fmt, tok)
-        records, cut = batches.tokenize_sft(rows, tok, cfg.max_len, cfg.pretrain_mode, cfg.overlong, where=cfg.dataset_uri,
-                                            model_dir=model_dir)
+        rows, eval_rows = split_eval(cfg, lambda ev: load_rows(cfg, "sft", fmt, tok, eval=ev))
+        tokenize = functools.partial(batches.tokenize_sft, tok=tok, max_len=cfg.max_len, pretrain_mode=cfg.pretrain_mode,
+                                     overlong=cfg.overlong, model_dir=model_dir)
+    records, cut = tokenize(rows, where=cfg.dataset_uri)
+    eval_records = tokenize(eval_rows, where=cfg.eval_dataset or cfg.dataset_uri)[0] if eval_rows else []
     return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut},
-                            model_uri=cfg.policy_uri)
+                            model_uri=cfg.policy_uri, eval_records=eval_records)
 
 
 task = stage_task("sft", run)

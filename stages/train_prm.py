@@ -19,7 +19,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 
 from rlhf_core import data, model_inputs, models, store
-from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, split_eval, train_and_commit
 from rlhf_core.train.methods import prm
 from stages.common import ConfigError, StageConfig, stage_task
 
@@ -43,13 +43,15 @@ class Config(StageConfig, TrainFields):
         return v
 
 
-def load_rows(cfg: Config) -> list[tuple[str, int, dict]]:
-    """(source, row number, row) from a committed artifact or raw OpenRLHF-format source(s)."""
-    uri = cfg.dataset_uri
+def load_rows(cfg: Config, eval: bool = False) -> list[tuple[str, int, dict]]:
+    """(source, row number, row) from a committed artifact or raw OpenRLHF-format source(s): the training data,
+    or with `eval` the eval_dataset (its eval_split, unmixed)."""
+    uri, limit = (cfg.eval_dataset, cfg.max_eval_samples) if eval else (cfg.dataset_uri, cfg.max_samples)
     if "," not in uri and store.committed_any(uri, cfg.storage_options):
         rows = store.read_table(uri, storage_options=cfg.storage_options).to_pylist()
-        return [(uri, i, r) for i, r in enumerate(rows[: cfg.max_samples] if cfg.max_samples else rows)]
-    return data.load_mixture(uri, cfg.dataset_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
+        return [(uri, i, r) for i, r in enumerate(rows[:limit] if limit else rows)]
+    return data.load_mixture(uri, None if eval else cfg.dataset_probs, limit, cfg.seed, cfg.storage_options,
+                             split=cfg.eval_split if eval else "train")
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -68,15 +70,18 @@ def run(cfg: Config) -> store.Manifest:
         reward_ids = [prm.token_id(tok, t, f"{cfg.base_uri}: reward token") for t in cfg.reward_tokens]
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    records, cut = prm.tokenize(load_rows(cfg), tok, cfg.input_key, cfg.label_key, cfg.placeholder_token,
-                                cfg.reward_tokens, cfg.max_len, cfg.overlong)
+    rows, eval_rows = split_eval(cfg, lambda ev: load_rows(cfg, ev))
+    records, cut = prm.tokenize(rows, tok, cfg.input_key, cfg.label_key, cfg.placeholder_token, cfg.reward_tokens,
+                                cfg.max_len, cfg.overlong)
+    eval_records = prm.tokenize(eval_rows, tok, cfg.input_key, cfg.label_key, cfg.placeholder_token, cfg.reward_tokens,
+                                cfg.max_len, cfg.overlong)[0] if eval_rows else []
     steps = sum(len(r["targets"]) for r in records)
     positive = sum(r["targets"][s][0] for r in records for s in range(len(r["targets"])))
     spec = {"placeholder_token": cfg.placeholder_token, "reward_tokens": cfg.reward_tokens, "placeholder_id": ph,
             "reward_ids": reward_ids}
     return train_and_commit(cfg, w, "prm", records, model_dir, tok, spec,
                             {"rows": len(records), "truncated": cut, "steps": steps, "positive_fraction": positive / steps},
-                            model_uri=cfg.base_uri)
+                            model_uri=cfg.base_uri, eval_records=eval_records)
 
 
 task = stage_task("train_prm", run)

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from rlhf_core import data, model_inputs, models, store
 from rlhf_core.train import batches
-from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, train_and_commit
+from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, split_eval, train_and_commit
 from stages.common import StageConfig, stage_task
 
 
@@ -45,11 +45,16 @@ def run(cfg: Config) -> store.Manifest:
     tok = models.load_tokenizer(model_dir, cfg.tokenizer_chat_template, cfg.base_uri)
     fmt = data.Format(prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
                       apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template)
-    rows = load_rows(cfg, "pairs", fmt, tok)
-    records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.dataset_uri,
-                                          extra=("margin",) if cfg.use_margin else (), model_dir=model_dir)
+    rows, eval_rows = split_eval(cfg, lambda ev: load_rows(cfg, "pairs", fmt, tok, eval=ev))
+
+    def tokenize(rs, where):
+        return batches.tokenize_pairs(rs, tok, cfg.max_len, cfg.overlong, where=where,
+                                      extra=("margin",) if cfg.use_margin else (), model_dir=model_dir)
+
+    records, cut = tokenize(rows, cfg.dataset_uri)
+    eval_records = tokenize(eval_rows, cfg.eval_dataset or cfg.dataset_uri)[0] if eval_rows else []
     return train_and_commit(cfg, w, "rm", records, model_dir, tok, {"loss": cfg.loss, "use_margin": cfg.use_margin},
-                            {"rows": len(records), "truncated": cut}, model_uri=cfg.base_uri)
+                            {"rows": len(records), "truncated": cut}, model_uri=cfg.base_uri, eval_records=eval_records)
 
 
 task = stage_task("train_rm", run)

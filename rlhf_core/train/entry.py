@@ -20,7 +20,7 @@ import torch
 from rlhf_core import losses
 from rlhf_core.train import adamw, checkpoints, no_lone_allreduce, ring, schedule
 from rlhf_core.train import attention
-from rlhf_core.train import moe
+from rlhf_core.train import memory, moe
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
@@ -355,7 +355,10 @@ def main(spec_ref: str) -> None:
                  "wall_clock_breakdown": False}
     if tp > 1:  # DeepSpeed shards the linear layers when the engine is built (AutoTP training, deepspeed >= 0.16.4)
         ds_config["tensor_parallel"] = {"autotp_size": tp}
-    model = load_model(spec, cuda, method, ds_config)
+    with memory.AnonPeak() as load_peak:  # this rank's memory during the load (a ZeRO-3 rank: its shard)
+        model = load_model(spec, cuda, method, ds_config)
+    load_memory: list = [None] * world
+    dist.all_gather_object(load_memory, {"rank": rank, **memory.load_report(model, load_peak.growth)})
     if ring.size() > 1:
         ring.use_ring_attention(model)
     if spec.get("aux_loss_coef"):  # MoE: the router's load-balancing loss joins every step's loss
@@ -428,7 +431,7 @@ def main(spec_ref: str) -> None:
         seen = [i for h in history for i in h["samples"]]
         result = {"steps_done": len(history) and history[-1]["step"], "planned_steps": total, "samples_seen": len(seen),
                   "resumed_from_step": start, "tokens_per_s": float(tok[0]) / max(train_s, 1e-9) if total > start else 0.0,
-                  "train_seconds": train_s, "history": history, **final}
+                  "train_seconds": train_s, "history": history, "load_memory": load_memory, **final}
         result |= next(({k: v for k, v in h.items() if k.startswith("eval_")} for h in reversed(history)
                         if any(k.startswith("eval_") for k in h)), {})  # the last evaluation's figures
         for k in (k for k in (history[0] if history else {}) if k not in ("step", "samples", "lr") and not k.startswith("eval_")):
