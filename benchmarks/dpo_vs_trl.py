@@ -38,7 +38,7 @@ def main():
     from rlhf_core import data, store
     from stages import dpo, reference
 
-    root, policy, policy_uri, rows = trl_peer.setup("dpo-bench-", a.pairs)
+    root, policy, policy_uri, rows = trl_peer.setup("dpo-bench-", a.pairs, a.model)
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pairs_uri = str(root / "store" / "pairs")
     w = store.ArtifactWriter(pairs_uri, "data", {"n": a.pairs})
@@ -48,17 +48,31 @@ def main():
     tok = AutoTokenizer.from_pretrained(str(policy))
     real = sum(len(tok(r["prompt"] + r[k])["input_ids"]) + 1 for r in rows for k in ("chosen", "rejected"))
 
+    def config(i, dataset_uri):
+        return dpo.Config(policy_uri=policy_uri, dataset_uri=dataset_uri, output_uri=str(root / f"dpo{i}"),
+                          max_len=a.max_len, train_batch_size=a.batch, micro_train_batch_size=a.batch, zero_stage=0,
+                          learning_rate=5e-4, beta=0.1, lr_warmup_ratio=0.0, log_steps=1000, bf16=False)
+
     def ours(i: int) -> dict:
+        t0 = time.time()
         ref = reference.run(reference.Config(pairs_uri=pairs_uri, ref_uri=policy_uri, output_uri=str(root / f"ref{i}"),
                                              max_len=a.max_len, batch_size=a.batch))
-        t1 = time.time()
-        m = dpo.run(dpo.Config(policy_uri=policy_uri, dataset_uri=ref.uri, output_uri=str(root / f"dpo{i}"),
-                               max_len=a.max_len, train_batch_size=a.batch, micro_train_batch_size=a.batch, zero_stage=0,
-                               learning_rate=5e-4, beta=0.1, lr_warmup_ratio=0.0, log_steps=1000, bf16=False))
+        m = dpo.run(config(i, ref.uri))
         return {"reference_pass_s": ref.metrics["seconds"], "train_loop_s": m.metrics["train_seconds"],
-                "stage_wall_s": time.time() - t1, "dtype": trl_peer.float32_trained(m, root / f"dpo{i}")}
+                "stage_wall_s": time.time() - t0, "dtype": trl_peer.float32_trained(m, root / f"dpo{i}")}
 
-    trl_peer.compare(a, str(Path(__file__).resolve()), root, policy, ours, real)
+    def bare(i: int) -> dict:  # the training loop of ours(i) without its engine (the reference pass is shared)
+        from rlhf_core import models
+        from rlhf_core.train import batches
+
+        ref_uri = str(root / "ref0")
+        records, _ = batches.tokenize_pairs(store.read_table(ref_uri).to_pylist(), tok, a.max_len, extra=dpo.REF_COLUMNS,
+                                              model_dir=policy)
+        cfg = config(i, ref_uri)
+        spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef")}
+        return trl_peer.bare_loop(cfg, "dpo", records, policy, models.pad_id(tok, policy), spec)
+
+    trl_peer.compare(a, str(Path(__file__).resolve()), root, policy, ours, real, bare=bare)
 
 
 if __name__ == "__main__":

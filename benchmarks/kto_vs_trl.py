@@ -41,7 +41,7 @@ def main():
     from rlhf_core import data, store
     from stages import kto
 
-    root, policy, policy_uri, pairs = trl_peer.setup("kto-bench-", a.pairs)
+    root, policy, policy_uri, pairs = trl_peer.setup("kto-bench-", a.pairs, a.model)
     rows = data.pairs_to_kto(pairs)
     random.Random(8).shuffle(rows)  # TRL samples sequentially: do not hand it alternating labels
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -54,7 +54,7 @@ def main():
     real = sum(len(tok(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in rows)
 
     def ours(i: int) -> dict:
-        t1 = time.time()
+        t1 = time.time()  # the stage's wall: its reference pass included
         m = kto.run(kto.Config(policy_uri=policy_uri, dataset_uri=kto_uri, output_uri=str(root / f"kto{i}"),
                                max_len=a.max_len, train_batch_size=a.batch, micro_train_batch_size=a.batch, zero_stage=0,
                                learning_rate=5e-4, beta=0.1, lr_warmup_ratio=0.0, log_steps=1000, bf16=False))

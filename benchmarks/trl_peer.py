@@ -15,6 +15,45 @@ import time
 from pathlib import Path
 
 VARIANTS = {"trl_defaults": {}, "trl_best": {"precompute_ref_log_probs": True, "gradient_checkpointing": False}}
+SIZES = {"tiny": {}, "57m": {"hidden": 768, "layers": 8, "heads": 12, "intermediate": 2048}}
+
+
+class PeakRSS:
+    """Peak resident memory (MB) of a process tree, sampled every 50 ms while the block runs: the process
+    `pid` (default: this one) and all its descendants summed, or with `children_only` its descendants only
+    (our stage's training job, without the benchmark process that runs the stage)."""
+
+    def __init__(self, pid: int | None = None, children_only: bool = False):
+        self.pid, self.children_only, self.peak_mb = pid or os.getpid(), children_only, 0.0
+
+    def _sample(self):
+        import psutil
+
+        while not self._stop.wait(0.05):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [*([] if self.children_only else [root]), *root.children(recursive=True)]
+                total = 0
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak_mb = max(self.peak_mb, total / 2 ** 20)
+            except psutil.Error:
+                return
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
 
 
 def parser(pairs_help: str = "preference pairs") -> argparse.ArgumentParser:
@@ -24,6 +63,9 @@ def parser(pairs_help: str = "preference pairs") -> argparse.ArgumentParser:
     ap.add_argument("--max-len", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; medians reported")
     ap.add_argument("--trl-python", default="/tmp/trl-venv/bin/python", help="python of TRL's own venv")
+    ap.add_argument("--model", choices=sorted(SIZES), default="tiny",
+                    help="tiny (the demo's, ~0.9M parameters: overhead-bound) or 57m (Llama-shaped, hidden 768, 8 "
+                         "layers, 12 heads, MLP 2048, the tiny tokenizer: matmul-bound on these CPUs)")
     ap.add_argument("--trl-peer", help=argparse.SUPPRESS)  # internal: run one TRL variant from a JSON spec
     return ap
 
@@ -46,8 +88,9 @@ def trl_train(spec: dict, config_cls: str, trainer_cls: str) -> dict:
         seen.add((str(out[0].dtype), torch.is_autocast_enabled("cpu")))
 
     model.get_decoder().register_forward_hook(hook)
+    beta = {} if config_cls == "SFTConfig" else {"beta": 0.1}
     args = getattr(trl, config_cls)(output_dir=spec["out"], per_device_train_batch_size=spec["batch"],
-                                    max_length=spec["max_len"], num_train_epochs=1, learning_rate=5e-4, beta=0.1,
+                                    max_length=spec["max_len"], num_train_epochs=1, learning_rate=5e-4, **beta,
                                     report_to=[], use_cpu=True, save_strategy="no", logging_steps=1000,
                                     dataloader_num_workers=0, bf16=False, fp16=False, **spec["extra"])
     tr = getattr(trl, trainer_cls)(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
@@ -59,7 +102,7 @@ def trl_train(spec: dict, config_cls: str, trainer_cls: str) -> dict:
             "trl": trl.__version__, "torch": torch.__version__}
 
 
-def setup(prefix: str, n_pairs: int) -> tuple[Path, Path, str, list[dict]]:
+def setup(prefix: str, n_pairs: int, model: str = "tiny") -> tuple[Path, Path, str, list[dict]]:
     """(root folder, tiny policy folder, its committed URI, n demo pairs lengthened to ENV-NOTES' shape).
     ENV-NOTES' reference figures used prompts of 20-43 tokens and responses of 9-82: the demo's pairs get
     neutral words on the prompt and several reviews per response. The labels then no longer follow the gold
@@ -71,7 +114,7 @@ def setup(prefix: str, n_pairs: int) -> tuple[Path, Path, str, list[dict]]:
 
     logging.basicConfig(level=logging.WARNING)
     root = Path(tempfile.mkdtemp(prefix=prefix))
-    policy, _ = tiny_mod.build_tiny_pair(root / "local", demo_task.corpus(0), seed=0)
+    policy, _ = tiny_mod.build_tiny_pair(root / "local", demo_task.corpus(0), seed=0, **SIZES[model])
     policy_uri = str(root / "store" / "policy")
     store.commit_model_dir(policy, policy_uri, "tiny-model", {"seed": 0})
     rng = random.Random(7)
@@ -91,41 +134,106 @@ def float32_trained(manifest, model_dir: Path) -> str:
     return "float32" if manifest.config.get("bf16") is False and dtypes == {"torch.float32"} else f"NOT fp32: {dtypes}"
 
 
-def compare(a, script: str, root: Path, policy: Path, ours, real: int, extra: dict | None = None) -> None:
-    """Run `ours(i)` and every TRL variant `a.repeats` times, alternating, refuse unless every side trained
-    in float32, and print medians, tokens/s (`real` tokens, reference pass counted) and our speedups."""
+def compare(a, script: str, root: Path, policy: Path, ours, real: int, extra: dict | None = None,
+            variants: dict | None = None, bare=None) -> None:
+    """Run `ours(i)`, every TRL variant and (if given) `bare(i)`, `a.repeats` times each, alternating, refuse
+    unless every side trained in float32, and print medians with ranges (min-max), tokens/s (`real` tokens,
+    reference pass counted), peak memory of each side's process tree, and our ratios.
+
+    `ours(i)` -> {reference_pass_s, train_loop_s, stage_wall_s, dtype}; `bare(i)` -> {train_loop_s, dtype}:
+    a plain PyTorch loop over the same batches (forward, loss, backward, clip, fused AdamW), no engine."""
     import torch
+
+    variants = variants or VARIANTS
 
     def trl(name: str, i: int) -> dict:
         spec = {"rows": str(root / "rows.jsonl"), "policy": str(policy), "out": str(root / f"{name}{i}"),
-                "batch": a.batch, "max_len": a.max_len, "extra": VARIANTS[name]}
+                "batch": a.batch, "max_len": a.max_len, "extra": variants[name]}
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TRL's venv sees only itself
-        out = subprocess.run([a.trl_python, script, "--trl-peer", json.dumps(spec)], capture_output=True, text=True, env=env)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if out.returncode or not line:
-            sys.exit(f"TRL run {name} failed ({a.trl_python}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-        return json.loads(line[len("RESULT "):])
+        proc = subprocess.Popen([a.trl_python, script, "--trl-peer", json.dumps(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        with PeakRSS(proc.pid) as peak:
+            stdout, stderr = proc.communicate()
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if proc.returncode or not line:
+            sys.exit(f"TRL run {name} failed ({a.trl_python}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        return {**json.loads(line[len("RESULT "):]), "peak_rss_mb": peak.peak_mb}
 
-    runs: dict[str, list[dict]] = {"ours": [], **{n: [] for n in VARIANTS}}
-    for i in range(a.repeats):  # alternate, so drifting machine load hits both sides alike
-        runs["ours"].append(ours(i))
-        print("ours:", json.dumps(runs["ours"][-1]), flush=True)
-        for name in VARIANTS:
-            runs[name].append(trl(name, i))
+    def measured(fn, i, children_only):
+        with PeakRSS(children_only=children_only) as peak:
+            r = fn(i)
+        return {**r, "peak_rss_mb": peak.peak_mb}
+
+    # peak memory: ours, the training job's process (the stage's process, which here is this benchmark, runs an
+    # inline reference pass before it); bare, this process; TRL, its process.
+    sides = {"ours": lambda i: measured(ours, i, True), **({"bare": lambda i: measured(bare, i, False)} if bare else {}),
+             **{n: (lambda i, n=n: trl(n, i)) for n in variants}}
+    runs: dict[str, list[dict]] = {n: [] for n in sides}
+    for i in range(a.repeats):  # alternate, so drifting machine load hits every side alike
+        for name, fn in sides.items():
+            runs[name].append(fn(i))
             print(f"{name}:", json.dumps(runs[name][-1]), flush=True)
     bad = {n: r["dtype"] for n, rs in runs.items() for r in rs if r["dtype"] != "float32"}
     if bad:
         sys.exit(f"refusing to compare: not every side trained in float32: {bad}")
     med = statistics.median
-    ref_s, loop_s = med([r["reference_pass_s"] for r in runs["ours"]]), med([r["train_loop_s"] for r in runs["ours"]])
-    ours_tps = real / (ref_s + loop_s)
-    res = {**(extra or {}), "real_tokens": real, "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0],
-           "ours": {"reference_pass_s": ref_s, "train_loop_s": loop_s, "tokens_per_s_ref_counted": ours_tps,
-                    "train_loop_tokens_per_s": real / loop_s,
-                    "stage_wall_s": med([r["stage_wall_s"] for r in runs["ours"]])}}
-    for name in VARIANTS:
-        s = med([r["train_s"] for r in runs[name]])
-        res[name] = {"train_s": s, "tokens_per_s_ref_counted": real / s, "trl": runs[name][0]["trl"]}
-        res[f"speedup_vs_{name}"] = ours_tps / (real / s)
+
+    def spread(name, key):
+        v = [r[key] for r in runs[name]]
+        return {"median": med(v), "min": min(v), "max": max(v)}
+
+    ours_s = [r["reference_pass_s"] + r["train_loop_s"] for r in runs["ours"]]
+    ours_tps = real / med(ours_s)
+    res = {**(extra or {}), "model": a.model, "real_tokens": real, "torch_threads": torch.get_num_threads(),
+           "load_avg_1m": os.getloadavg()[0],
+           "ours": {"reference_pass_s": spread("ours", "reference_pass_s"), "train_loop_s": spread("ours", "train_loop_s"),
+                    "work_s": {"median": med(ours_s), "min": min(ours_s), "max": max(ours_s)},
+                    "tokens_per_s_ref_counted": ours_tps, "stage_wall_s": spread("ours", "stage_wall_s"),
+                    "wall_over_work": med(r["stage_wall_s"] / (r["reference_pass_s"] + r["train_loop_s"]) for r in runs["ours"]),
+                    "peak_rss_mb": spread("ours", "peak_rss_mb")}}
+    if bare:
+        loop = med(r["train_loop_s"] for r in runs["ours"])
+        res["bare"] = {"train_loop_s": spread("bare", "train_loop_s"), "peak_rss_mb": spread("bare", "peak_rss_mb")}
+        res["ours_loop_vs_bare_loop"] = med(r["train_loop_s"] for r in runs["bare"]) / loop  # >1: ours faster
+    for name in variants:
+        t = spread(name, "train_s")
+        res[name] = {"train_s": t, "tokens_per_s_ref_counted": real / t["median"], "trl": runs[name][0]["trl"],
+                     "peak_rss_mb": spread(name, "peak_rss_mb")}
+        res[f"speedup_vs_{name}"] = ours_tps / (real / t["median"])
+        # pairwise: each repeat's ours against the same repeat's TRL run (neighbours in time)
+        res[f"speedup_vs_{name}_per_repeat"] = [r["train_s"] / o for r, o in zip(runs[name], ours_s)]
     res["runs"] = runs
     print(json.dumps(res, indent=1))
+
+
+def bare_loop(cfg, method: str, records: list[dict], model_dir: Path, pad_id: int, extra_spec: dict) -> dict:
+    """The same work as our training job in a plain PyTorch loop: the stage's config `cfg`, its tokenized
+    `records`, the same batch order (BatchPlan), the method's own step (collation, forward, loss), backward,
+    gradient clipping and fused AdamW on the model loaded in float32. What it leaves out is what the job adds:
+    the DeepSpeed engine, metrics bookkeeping, the learning-rate schedule and logging. {train_loop_s, dtype}."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.train import adamw
+    from rlhf_core.train.batches import BatchPlan, seq_len
+    from rlhf_core.train.launch import SPEC_KEYS
+    from rlhf_core.train.methods import get
+
+    spec = {**{k: getattr(cfg, k) for k in SPEC_KEYS}, **extra_spec, "pad_id": pad_id}
+    step = get(method).step
+    plan = BatchPlan([seq_len(r) for r in records], cfg.train_batch_size, cfg.micro_train_batch_size, 1, cfg.seed,
+                     cfg.max_epochs, cfg.length_bucketing)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    opt = adamw(model.parameters(), cfg.learning_rate, cfg.adam_betas, cfg.l2)
+    t = time.time()
+    for s in range(plan.total_steps):
+        mbs = plan.micro_batches(s, 0)
+        for mb in mbs:
+            loss = step(model, spec, [records[i] for i in mb], pad_id)[0]
+            (loss / len(mbs)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"train_loop_s": time.time() - t, "dtype": "float32" if next(model.parameters()).dtype == torch.float32 else "?"}
