@@ -12,4 +12,4 @@ def step(engine, spec: dict, recs: list[dict], pad_id: int):
     lp, n, tokens = forward(engine, spec, [r["ids"] for r in recs], [r["start"] for r in recs], pad_id)
     o = losses.sft_loss(lp, n)
     loss = o.losses.sum()
-    return loss, {"loss": loss.detach().expand(len(recs))}, tokens
+    return loss, {"loss": loss.detach().expand(len(recs)), **o.metrics}, tokens  # nll: each example's own mean NLL
