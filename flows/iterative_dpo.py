@@ -42,8 +42,8 @@ class Params(common.LoopParams):
 
 
 # The reference pass runs as dpo trains (same tokens, dtype and hardware) unless `reference` says otherwise.
-REF_FROM_DPO = ("max_len", "overlong", "bf16", "packing_samples", "zero_stage", "launcher", "num_gpus", "num_nodes",
-                "hostfile")
+REF_FROM_DPO = ("max_len", "overlong", "bf16", "packing_samples", "attn_implementation", "zero_stage", "launcher",
+                "num_gpus", "num_nodes", "hostfile")
 
 
 def reference_settings(p: Params) -> dict:

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from rlhf_core import data, model_inputs, models, store
-from rlhf_core.train import batches
+from rlhf_core.train import attention, batches
 from rlhf_core.train.launch import tokenizer_id
 from rlhf_core.train.reference import compute
 from stages.common import StageConfig, stage_task
@@ -28,6 +28,8 @@ class Config(StageConfig):
     overlong: Literal["truncate", "reject"] = Field("truncate", description="Samples longer than max_len: cut or refuse.")
     bf16: bool = Field(False, description="bfloat16 weights and compute, as the dpo stage trains (must equal dpo's).")
     packing_samples: bool = Field(False, description="Pack each batch into one row, as dpo does with packing_samples.")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel, as dpo's (rlhf_core.train.attention).")
     # runtime: where it runs, not what it computes
     batch_size: int = Field(16, ge=1, description="Pairs per forward (per rank).")
     launcher: Literal["auto", "deepspeed", "torchrun", "python", "inline"] = Field(
@@ -56,6 +58,7 @@ def run(cfg: Config) -> store.Manifest:
     ref_dir = model_inputs.fetch_model(cfg.ref_uri, cfg.storage_options, manifest=ref_m)
     tok = models.load_tokenizer(ref_dir, where=cfg.ref_uri)
     records, cut = batches.tokenize_pairs(rows, tok, cfg.max_len, cfg.overlong, where=cfg.pairs_uri, model_dir=ref_dir)
+    attention.check(cfg.attn_implementation, ref_dir)
     w.begin()
     t0 = time.time()
     one_device = cfg.num_gpus * cfg.num_nodes == 1 and cfg.zero_stage != 3
@@ -63,14 +66,14 @@ def run(cfg: Config) -> store.Manifest:
     chosen, rejected, seconds = compute(records, ref_dir, models.pad_id(tok, ref_dir), store.cache_root() / "jobs" / w.fingerprint,
                                bf16=cfg.bf16, zero_stage=cfg.zero_stage, batch_size=cfg.batch_size,
                                packing_samples=cfg.packing_samples, launcher=launcher, num_gpus=cfg.num_gpus,
-                               num_nodes=cfg.num_nodes, hostfile=cfg.hostfile)
+                               num_nodes=cfg.num_nodes, hostfile=cfg.hostfile, attn_implementation=cfg.attn_implementation)
     for r, c, j in zip(rows, chosen, rejected):
         r["ref_chosen_logp"], r["ref_rejected_logp"] = c, j
     w.write_table("pairs.parquet", data.to_table(rows, "pairs"))
     tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in records)
     wall = time.time() - t0
     return w.commit(metrics={"tokenizer_id": tokenizer_id(tok), "max_len": cfg.max_len, "overlong": cfg.overlong,
-                             "bf16": cfg.bf16, "launcher": launcher, "truncated": cut, "seconds": seconds, "job_seconds": wall, "tokens": tokens,
+                             "bf16": cfg.bf16, "launcher": launcher, "attn_implementation": cfg.attn_implementation, "truncated": cut, "seconds": seconds, "job_seconds": wall, "tokens": tokens,
                              "tokens_per_s": tokens / seconds if seconds > 0 else None,
                              "ref_chosen_logp_mean": sum(chosen) / len(chosen),
                              "ref_rejected_logp_mean": sum(rejected) / len(rejected)})

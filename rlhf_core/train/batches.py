@@ -210,20 +210,26 @@ class BatchPlan:
 # ---------------------------------------------------------------------------------------------- collation
 @dataclass
 class Batch:
-    """Sequences as rows (padded, R = n), packed into one row (R = 1), or pairs sharing their prompt (R = n / 2).
-    input_ids, position_ids, target_mask, segment: # (R, T); segment = sample index, n for padding;
-    last: # (n, 2) (row, column) of each sample's last token; attention_mask # (R, T), or # (R, 1, T, T)
-    (True = may attend) when packed or shared; `explicit`: the targets when they are not the next column."""
+    """Sequences as rows (layout "padded", R = n), packed into one row ("packed", R = 1), or pairs sharing their
+    prompt ("pairs", R = n / 2). input_ids, position_ids, target_mask, segment: # (R, T); segment = sample
+    index, n for padding; last: # (n, 2) (row, column) of each sample's last token; `explicit`: the targets when
+    they are not the next column. Attention: padded rows carry attention_mask # (R, T) (1 = token); packed and
+    pairs carry no (T, T) mask but doc # (R, T) (the sequence of each token, -1 padding) and branch # (R, T)
+    (0 shared prompt, 1 chosen, 2 rejected), from which rlhf_core.train.attention.model_inputs builds each
+    layer's mask for the model's attention implementation (attention_mask is None for them)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     target_mask: torch.Tensor
     segment: torch.Tensor
     last: torch.Tensor
     n: int
     real_tokens: int
     explicit: tuple | None = None
+    doc: torch.Tensor | None = None
+    branch: torch.Tensor | None = None
+    layout: str = "padded"
 
     def targets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, cols, tokens, samples), each # (N,): token tokens[j] of sample samples[j] is predicted by the
@@ -260,11 +266,9 @@ def collate(seqs: list[list[int]], starts: list, pad_id: int, packed: bool = Fal
         tgt = torch.cat([loss_targets(st, len(s)) for s, st in zip(seqs, starts)]).long().tolist()
         ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
         t = lambda x: torch.tensor([x])  # noqa: E731
-        # Block-diagonal causal mask # (1, 1, T, T), True = may attend. Position ids alone do not stop
-        # attention crossing samples with SDPA/eager (measured: transformers 5.19), so the mask is explicit.
-        sg, ar = torch.tensor(seg), torch.arange(len(ids))
-        att = ((sg[:, None] == sg[None, :]) & (ar[:, None] >= ar[None, :]))[None, None]
-        return Batch(t(ids), t(pos), att, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n, real)
+        # No mask tensor: the documents (doc = segment) and positions say it (attention.model_inputs).
+        return Batch(t(ids), t(pos), None, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n, real,
+                     doc=t(seg), branch=torch.zeros((1, len(ids)), dtype=torch.long), layout="packed")
     T = max(len(s) for s in seqs)
     ids = _padded(seqs, pad_id, T)
     att = _padded([[1] * len(s) for s in seqs], 0, T)
@@ -288,7 +292,7 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
     """Preference pairs, one row each: [shared prompt | chosen response | rejected response], so the prompt
     is forwarded once per pair instead of twice (prefix sharing, Wang et al. 2024, arXiv:2410.20305). Each
     response attends to the prompt and to itself only, with the positions it would have alone, so every
-    log-prob equals that of the padded two-row layout. Samples 0..k-1 are the chosen, k..2k-1 the rejected
+    log-prob equals that of the padded two-row layout (the mask: attention.mask_function). Samples 0..k-1 are the chosen, k..2k-1 the rejected
     (the order of `collate(chosen + rejected, ...)`). The shared part is the common prefix of the two token
     lists, at most up to the earlier response start (after truncation the two prompts may differ).
     Built as Python lists and turned into tensors once: collation is on every step's critical path."""
@@ -313,14 +317,12 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
         last[i], last[k + i] = [i, nc - 1], [i, nc + nr - L - 1 if nr - 1 >= L else nr - 1]
     T = max(len(row) for row in ids)
     ids, pos, part, seg = _padded(ids, pad_id, T), _padded(pos, 0, T), _padded(part, -1, T), _padded(seg, 2 * k, T)
-    ar = torch.arange(T)
-    q, kk = part[:, :, None], part[:, None, :]  # (k, T, 1), (k, 1, T)
-    att = (ar[:, None] >= ar[None, :]) & (kk != -1) & (q != -1) & ((kk == 0) | (kk == q))
-    att = (att | torch.eye(T, dtype=torch.bool))[:, None]  # padding attends to itself: no all-masked row (NaN)
+    doc = torch.where(part >= 0, 0, -1)  # one sequence per row; -1 padding
     explicit = tuple(torch.from_numpy(np.array(x, dtype=np.int64)) for x in (tr, tc, tt, ts))
     real = sum(len(c) + len(r) for c, r in zip(chosen, rejected))
     last = torch.from_numpy(np.array(last, dtype=np.int64))
-    return Batch(ids, pos, att, torch.zeros((k, T), dtype=torch.long), seg, last, 2 * k, real, explicit)
+    return Batch(ids, pos, None, torch.zeros((k, T), dtype=torch.long), seg, last, 2 * k, real, explicit,
+                 doc=doc, branch=part.clamp(min=0), layout="pairs")
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:

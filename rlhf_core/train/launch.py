@@ -78,7 +78,7 @@ class TrainFields(BaseModel):
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
         "sdpa", description="transformers' attention kernel (OpenRLHF --flash_attn = flash_attention_2, CUDA + the "
         "flash_attn package). Packed and shared-prompt batches: flex_attention builds a block mask (no (T, T) tensor; "
-        "training needs CUDA: no flex backward on CPU), flash_attention_2 packs by position ids (pairs go as two "
+        "CUDA only), flash_attention_2 packs by position ids (pairs go as two "
         "sequences), sdpa / eager get a dense (T, T) mask. Models with attention soft-capping (Gemma-2): not sdpa.")
     # part B (issue 24): held-out evaluation during training, the learning-rate schedule, dropout
     eval_dataset: str | None = Field(None, description="Held-out data with the training data's schema, evaluated during "

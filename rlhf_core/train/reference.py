@@ -57,7 +57,8 @@ def _load(spec: dict, device: str):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if spec["bf16"] else torch.float32
-    return AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, use_safetensors=True,
+                                                attn_implementation=spec["attn_implementation"]).to(device).eval()
 
 
 def _spec_forward(model, spec: dict):
@@ -68,12 +69,14 @@ def _spec_forward(model, spec: dict):
 
 def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
             zero_stage: int = 0, batch_size: int = 16, packing_samples: bool = False, launcher: str = "deepspeed",
-            num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None) -> tuple[list[float], list[float], float]:
+            num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None,
+            attn_implementation: str = "sdpa") -> tuple[list[float], list[float], float]:
     """(chosen, rejected) summed response log-probs of every record in record order, and the seconds the
-    forwards took (model loaded; a job's start and load are left out, as training's train_seconds does)."""
+    forwards took (model loaded; a job's start and load are left out, as training's train_seconds does).
+    `attn_implementation`: as the trainer's (its masks and, under flash attention, its pair layout)."""
     spec = {"method": "reference", "model_dir": str(model_dir), "pad_id": pad_id, "bf16": bf16,
             "zero_stage": zero_stage, "batch_size": batch_size, "packing_samples": packing_samples,
-            "work_dir": str(work_dir)}
+            "work_dir": str(work_dir), "attn_implementation": attn_implementation}
     if launcher == "inline":
         model = _load(spec, "cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.perf_counter()

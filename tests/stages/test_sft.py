@@ -71,6 +71,7 @@ def test_packed_loss_equals_unpacked(tiny):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core import losses
+    from rlhf_core.train import attention
     from rlhf_core.train.batches import collate, per_sample_sum, tokenize_sft
 
     tok = AutoTokenizer.from_pretrained(str(tiny.policy_dir))
@@ -81,7 +82,7 @@ def test_packed_loss_equals_unpacked(tiny):
     for packed in (False, True):
         b = collate(seqs, starts, tok.pad_token_id, packed=packed)
         with torch.no_grad():
-            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+            logits = model(**attention.model_inputs(model, b, "cpu")).logits  # a packed row's mask: attention.py
         lp = losses.token_logprobs(logits, b.input_ids)
         out[packed] = (per_sample_sum(lp, b), per_sample_sum(torch.ones_like(lp), b))
         assert b.input_ids.shape[0] == (1 if packed else 5)

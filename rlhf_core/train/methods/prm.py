@@ -89,16 +89,14 @@ def reward_logits(model, seqs: list[list[int]], pad_id: int, placeholder_id: int
     """Logits over the reward tokens at every placeholder # (N, K), and the sample of each # (N,), in order of
     samples then positions. `model`: a DeepSpeed engine, a (PEFT-wrapped) HF causal LM. The LM head runs on the
     placeholder rows only (entry._parts), with the full forward where the head is not a plain projection."""
+    from rlhf_core.train import attention
     from rlhf_core.train.batches import collate
     from rlhf_core.train.entry import _parts
 
     b = collate(seqs, [0] * len(seqs), pad_id, packed=packed)
     dev = model.device
     inner = getattr(model, "module", model)
-    att = b.attention_mask.to(dev)
-    if att.dim() == 4 and getattr(inner.config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask
-        att = torch.zeros(att.shape, dtype=torch.float32, device=dev).masked_fill(~att, torch.finfo(torch.float32).min)
-    kw = {"input_ids": b.input_ids.to(dev), "attention_mask": att, "position_ids": b.position_ids.to(dev)}
+    kw = {**attention.model_inputs(inner, b, dev), "use_cache": False}
     at = (b.input_ids == placeholder_id) & (b.segment < b.n)  # # (R, T), padding excluded (pad may equal it)
     rows, cols = at.nonzero(as_tuple=True)
     parts = _parts(inner)

@@ -8,6 +8,7 @@ import math
 import torch
 
 from rlhf_core import losses
+from rlhf_core.train import attention
 from rlhf_core.train.entry import batch_of
 
 MODEL = "reward_model"
@@ -20,8 +21,8 @@ def rewards(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     dev = engine.device
     model = getattr(engine, "module", engine)
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    h = getattr(core, core.base_model_prefix)(input_ids=b.input_ids.to(dev), attention_mask=b.attention_mask.to(dev),
-                                              position_ids=b.position_ids.to(dev)).last_hidden_state
+    body = getattr(core, core.base_model_prefix)  # the mask as every method builds it (eager needs an additive one)
+    h = body(**attention.model_inputs(body, b, dev), use_cache=False).last_hidden_state
     last = b.last.to(dev)
     return core.score(h[last[:, 0], last[:, 1]]).squeeze(-1).float(), b.real_tokens
 
