@@ -242,7 +242,7 @@ def test_bad_settings_are_refused_before_work(zoo):
     with pytest.raises(ValueError, match="attn_implementation=flex_attention: torch's flex_attention needs a CUDA GPU"):
         attention.check("flex_attention")
     with pytest.raises(ValueError, match=r"attn_implementation=sdpa: .*gemma2.* soft-caps its attention logits "
-                                         r"\(attn_logit_softcapping=5.0\), which sdpa cannot apply; use eager"):
+                                         r"\(attn_logit_softcapping=0.3\), which sdpa cannot apply; use eager"):
         attention.check("sdpa", zoo["gemma2"].policy)
     attention.check("eager", zoo["gemma2"].policy)
     with pytest.raises(ValidationError, match="attn_implementation"):
@@ -251,32 +251,61 @@ def test_bad_settings_are_refused_before_work(zoo):
         check_hardware(TrainFields(dataset_uri="x", attn_implementation="flash_attention_2"))
 
 
+def test_the_setting_reaches_the_trainer_and_the_reference_pass(setup, zoo, tmp_path):
+    """entry.load_model loads the spec's implementation; the reference pass forwards with it: on Gemma-2, sdpa
+    (which drops the attention soft-cap) gives other log-probs than eager, and eager's equal the two-row truth."""
+    from rlhf_core.train import entry, reference
+    from rlhf_core.train.methods import get
+
+    spec = {"bf16": False, "zero_stage": 0, "gradient_checkpointing": False, "lora_rank": 0,
+            "model_dir": str(zoo["gemma2"].policy), "attn_implementation": "eager"}
+    assert entry.load_model(spec, False, get("dpo")).config._attn_implementation == "eager"
+    s = setup["gemma2"]
+    k = len(s["seqs"]) // 2
+    recs = [{"chosen_ids": c, "chosen_start": cs, "rejected_ids": r, "rejected_start": rs}
+            for c, cs, r, rs in zip(s["seqs"][:k], s["starts"][:k], s["seqs"][k:], s["starts"][k:])]
+    got = {impl: torch.tensor(reference.compute(recs, zoo["gemma2"].policy, s["pad"], tmp_path / impl, launcher="inline",
+                                                attn_implementation=impl)[0]) for impl in ("eager", "sdpa")}
+    s["policy"].set_attn_implementation("eager")
+    with torch.no_grad():
+        want = _two_rows_lm(s["policy"], s["seqs"], s["starts"], s["pad"])[:k]
+    assert torch.allclose(got["eager"], want, atol=ATOL)
+    assert (got["sdpa"] - want).abs().max() > 10 * ATOL  # measured 3.7e-3 (eager: within 2e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ("flex_attention", "flash_attention_2"))
 def test_layouts_on_gpu_with_gradients(setup, impl):
-    """On CUDA: flex (block masks, with backward) and flash attention (packed by position ids; pairs forwarded
-    as two sequences) equal eager's padded rows in bf16-free fp32 (flex) / bf16 (flash, looser)."""
+    """On CUDA: flex (compiled, block masks, with backward) in fp32 and flash attention (packed rows by position
+    ids; pairs forwarded as two sequences, entry.batch_of) in bf16 equal eager's padded rows in the same dtype."""
     if impl == "flash_attention_2":
         pytest.importorskip("flash_attn")
-    dev = torch.device("cuda")
+    dtype = torch.bfloat16 if impl == "flash_attention_2" else torch.float32
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-3
+    spec = {"attn_implementation": impl}  # batch_of's flash fallback reads it
+    cases = {  # (layout under impl, ground truth under eager)
+        "sft/kto packed": lambda p, r, s, st, pad: forward(p, {**spec, "packing_samples": True}, s, st, pad)[0],
+        "dpo pairs": lambda p, r, s, st, pad: forward(p, {**spec, "packing_samples": False}, s, st, pad, pairs=True)[0],
+        "rm pairs": lambda p, r, s, st, pad: rm.rewards(r, {**spec, "packing_samples": False}, s, st, pad)[0],
+    }
+    truth_of = {"sft/kto packed": CASES["sft/kto packed"][1], "dpo pairs": CASES["dpo/kto-reference pairs"][1],
+                "rm pairs": CASES["rm pairs"][1]}
     for arch in ARCHS:
         s = setup[arch]
-        dtype = torch.bfloat16 if impl == "flash_attention_2" else torch.float32
-        policy, reward = s["policy"].to(dev, dtype), s["reward"].to(dev, dtype)
+        policy, reward = s["policy"].to("cuda", dtype), s["reward"].to("cuda", dtype)
         args = (s["seqs"], s["starts"], s["pad"])
-        for m in (policy, reward):
-            m.set_attn_implementation("eager")
-        truth = {c: (lambda v: (v.detach().float(), _grads(v.float().cpu(), _model_of(c, policy, reward))))(ref(policy, reward, *args))
-                 for c, (_, ref) in CASES.items()}
-        for m in (policy, reward):
-            m.set_attn_implementation(impl)
-        spec_flash = impl.startswith("flash")
-        for case, (layout, _) in CASES.items():
-            v = layout(policy, reward, *args) if not (spec_flash and "pairs" in case) else \
-                (forward(policy, {"packing_samples": False, "attn_implementation": impl}, *args, pairs=True)[0]
-                 if case.startswith("dpo") else rm.rewards(reward, {"packing_samples": False, "attn_implementation": impl}, *args)[0])
-            tol = 5e-2 if dtype == torch.bfloat16 else 1e-3
-            assert torch.allclose(v.detach().float(), truth[case][0], atol=tol, rtol=tol), (arch, impl, case)
-            for a, e in zip(_grads(v.float().cpu(), _model_of(case, policy, reward)), truth[case][1]):
-                assert torch.allclose(a.float(), e.float(), atol=tol, rtol=tol), (arch, impl, case)
-        s["policy"], s["reward"] = policy.to("cpu", torch.float32), reward.to("cpu", torch.float32)
+        try:
+            for case, layout in cases.items():
+                model = _model_of(case, policy, reward)
+                model.set_attn_implementation("eager")
+                want = truth_of[case](policy, reward, *args)
+                want_g = _grads(want.float().cpu(), model)
+                model.set_attn_implementation(impl)
+                got = layout(policy, reward, *args)
+                assert torch.allclose(got.float().cpu(), want.float().cpu(), atol=tol, rtol=tol), (arch, case)
+                for a, e in zip(_grads(got.float().cpu(), model), want_g):
+                    assert torch.allclose(a.float(), e.float(), atol=tol, rtol=tol), (arch, case)
+        finally:
+            for m in (policy, reward):
+                m.set_attn_implementation("eager")
+            s["policy"], s["reward"] = policy.to("cpu", torch.float32), reward.to("cpu", torch.float32)
