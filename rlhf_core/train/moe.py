@@ -57,4 +57,4 @@ def with_aux_loss(method, model, coef: float):
         captured.clear()
         return loss + coef * aux, {**met, "aux_loss": aux.detach().expand(len(recs))}, tokens
 
-    return SimpleNamespace(**{k: v for k, v in vars(method).items() if not k.startswith("__")}, step=step)
+    return SimpleNamespace(**{**{k: v for k, v in vars(method).items() if not k.startswith("__")}, "step": step})

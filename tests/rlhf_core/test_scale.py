@@ -129,3 +129,123 @@ def test_ring_attention_two_ranks_give_one_ranks_loss_and_gradients(tiny, zoo, t
         for k, g in grads.items():
             assert torch.allclose(two[case][1][k], g, atol=1e-5), (case, k, (two[case][1][k] - g).abs().max())
         assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # gradients that could differ
+
+
+# ---------------------------------------------------------------------------------------------- AutoTP, launched
+def test_autotp_two_ranks_train_as_one_and_save_whole_weights(tiny, tmp_path):
+    """DeepSpeed AutoTP training runs on CPU over gloo (deepspeed 0.19.8: "tensor_parallel": {"autotp_size"}):
+    an sft job on 2 ranks with ds_tensor_parallel_size 2 (data-parallel size 1; each rank holds half of each
+    linear layer) gives the 1-rank job's loss at every step (atol 1e-4) and saves whole weights (the shapes of
+    the input model, gathered from the ranks' slices), equal to the 1-rank job's (atol 1e-4)."""
+    from safetensors.torch import load_file
+
+    from stages import sft
+
+    common = dict(policy_uri=tiny.policy_uri, dataset_uri=sft_data(tmp_path, 8), input_template=demo_task.INPUT_TEMPLATE,
+                  learning_rate=1e-3, train_batch_size=4, micro_train_batch_size=2, max_len=48, lr_warmup_ratio=0.0,
+                  zero_stage=0)
+    sft.run(sft.Config(output_uri=str(tmp_path / "one"), **common))
+    sft.run(sft.Config(output_uri=str(tmp_path / "tp"), num_gpus=2, ds_tensor_parallel_size=2, **common))
+    h1, h2 = (json.loads((tmp_path / d / "training_log.json").read_text()) for d in ("one", "tp"))
+    assert len(h1) == 2 and [h["samples"] for h in h1] == [h["samples"] for h in h2]
+    assert [h["loss"] for h in h2] == pytest.approx([h["loss"] for h in h1], abs=1e-4)
+    w1, w2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "tp"))
+    before = load_file(str(tiny.policy_dir / "model.safetensors"))
+    assert {k: v.shape for k, v in w2.items()} == {k: v.shape for k, v in before.items()}
+    for k in w1:
+        assert torch.allclose(w2[k], w1[k], atol=1e-4), k
+
+
+# ---------------------------------------------------------------------------------------------- MoE auxiliary loss
+def test_moe_aux_loss_is_added_and_reaches_the_router(zoo, tiny):
+    """aux_loss_coef 0.5 on the zoo's Mixtral (4 experts, top 2), padded sft batch (rows of 9, 14, 6 tokens):
+    the step's loss = sft loss + 0.5 x transformers' aux_loss of the same batch (MixtralForCausalLM's
+    load_balancing_loss_func over the real tokens; atol 1e-6), the metric aux_loss is that value, and the
+    router's gradient changes by exactly 0.5 x d(aux)/d(router) (atol 1e-6): the router logits reach the loss
+    although entry.target_logits runs the backbone and the LM head apart. On a dense model (Llama) a coef > 0 is
+    refused by name; coef 0 (the default) wraps nothing: the method's loss alone, on any model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.train import moe
+    from rlhf_core.train.methods import sft
+
+    model = AutoModelForCausalLM.from_pretrained(str(zoo["mixtral"].policy), dtype=torch.float32)
+    seqs = [[5 + (i * 7 + j * 3) % 300 for j in range(n)] for i, n in enumerate([9, 14, 6])]
+    recs = [{"ids": s, "start": 3} for s in seqs]
+    spec = {"packing_samples": False}
+    router = model.model.layers[0].mlp.gate.weight
+
+    base, _, _ = sft.step(model, spec, recs, 0)
+    base.backward()
+    g_base = router.grad.clone()
+    model.zero_grad()
+    with_aux = moe.with_aux_loss(sft, model, 0.5)
+    loss, met, _ = with_aux.step(model, spec, recs, 0)
+    loss.backward()
+    g_aux = router.grad.clone()
+    model.zero_grad()
+
+    ids = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.zeros(3, 14, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    hf_aux = model(input_ids=ids, attention_mask=mask, use_cache=False).aux_loss  # transformers' own value
+    assert loss.item() == pytest.approx(base.item() + 0.5 * hf_aux.item(), abs=1e-6)
+    assert met["aux_loss"].shape == (3,) and met["aux_loss"][0].item() == pytest.approx(hf_aux.item(), abs=1e-6)
+    hf_aux.backward()
+    assert (g_aux - g_base).abs().max() > 1e-4
+    assert torch.allclose(g_aux - g_base, 0.5 * router.grad, atol=1e-6)
+
+    dense = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir))
+    with pytest.raises(SystemExit, match="aux_loss_coef 0.5 > 0 needs a mixture-of-experts model; llama"):
+        moe.with_aux_loss(sft, dense, 0.5)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_scale_settings_refused_before_work(tiny, tmp_path):
+    """Each refusal names the setting: ring without packing, a ring or TP size not dividing the world, ring with
+    TP, TP under ZeRO-3, ring on a method that reads last hidden states (in the job, before the model loads),
+    Liger on a host without CUDA (the stage, before any work: nothing committed)."""
+    from pydantic import ValidationError
+
+    from rlhf_core.train import ring
+    from stages import sft
+
+    uri = sft_data(tmp_path, 8)
+    base = dict(policy_uri=tiny.policy_uri, dataset_uri=uri, output_uri=str(tmp_path / "o"), train_batch_size=4,
+                micro_train_batch_size=1, input_template=demo_task.INPUT_TEMPLATE, max_len=48)
+    for bad, msg in [(dict(num_gpus=2, ring_attn_size=2), "ring_attn_size > 1 splits a packed row over ranks: set packing_samples=true"),
+                     (dict(num_gpus=4, ring_attn_size=3, packing_samples=True), "ring_attn_size 3 does not divide the world size 4"),
+                     (dict(num_gpus=2, ds_tensor_parallel_size=3), "ds_tensor_parallel_size 3 does not divide the world size 2"),
+                     (dict(num_gpus=4, ring_attn_size=2, ds_tensor_parallel_size=2, packing_samples=True),
+                      "ring_attn_size and ds_tensor_parallel_size together are not supported"),
+                     (dict(num_gpus=2, ds_tensor_parallel_size=2, zero_stage=3), "ds_tensor_parallel_size > 1 is supported with zero_stage 0-2"),
+                     (dict(num_gpus=2, ring_attn_size=2, packing_samples=True, aux_loss_coef=0.1),
+                      "aux_loss_coef with ring_attn_size > 1 is not supported")]:
+        with pytest.raises(ValidationError, match=msg):
+            sft.Config(**base, **bad)
+    with pytest.raises(SystemExit, match="ring_attn_size > 1 supports the methods sft, dpo, kto; 'rm'"):
+        ring.setup(0, 2, 2, 1, "rm")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use_liger_kernel needs a CUDA GPU"):
+            sft.run(sft.Config(**base, use_liger_kernel=True))
+        assert not store.committed_any(str(tmp_path / "o"))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_liger_kernel_patches_the_model_and_keeps_its_logits(tiny):
+    """On CUDA (liger-kernel from the gpu extra): load_model with use_liger_kernel swaps in Liger's modules
+    (RMSNorm) and the logits stay those of the unpatched model (atol 1e-3 in fp32: Triton's reductions differ)."""
+    from rlhf_core.train import entry
+    from rlhf_core.train.methods import sft
+
+    spec = {"model_dir": str(tiny.policy_dir), "bf16": False, "zero_stage": 2, "gradient_checkpointing": False,
+            "lora_rank": 0, "attn_implementation": "sdpa"}
+    plain = entry.load_model(spec, True, sft).cuda()
+    liger = entry.load_model({**spec, "use_liger_kernel": True}, True, sft).cuda()
+    assert any("Liger" in type(m).__name__ for m in liger.modules())
+    assert not any("Liger" in type(m).__name__ for m in plain.modules())
+    ids = torch.randint(5, 300, (2, 24), device="cuda")
+    with torch.no_grad():
+        assert torch.allclose(liger(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-3)
