@@ -47,7 +47,7 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     import tomllib
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm", "bitsandbytes"]
+    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm", "bitsandbytes", "liger-kernel"]
     for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert f"COPY {package.rstrip('*')} {package.rstrip('*')}" in text, package
     workdir = next(ln.split()[1] for ln in lines if ln.startswith("WORKDIR"))
