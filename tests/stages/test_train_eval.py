@@ -65,8 +65,9 @@ def test_lr_schedule_equals_transformers(name):
 
 
 def test_dpo_evaluates_on_eval_data_every_eval_steps_with_dropout_off(tiny, setup, tmp_path, caplog):
-    """eval_dataset = a copy of the training data: its figures at the last step equal the final pass over the
-    training set. The policy's config has attention dropout 0.5; dpo's default disable_dropout switches it off,
+    """eval_dataset = a copy of the training data: its figures at the last step are the trained model's,
+    recomputed here from its log-probs (the reference pass run with it); the final_* figures are the training
+    steps' means. The policy's config has attention dropout 0.5; dpo's default disable_dropout switches it off,
     so policy == reference at step 1 (margin 0) and the saved config says 0. linear lr schedule in the history."""
     root, _, ref_uri, drop = setup
     out = tmp_path / "dpo"
@@ -78,10 +79,21 @@ def test_dpo_evaluates_on_eval_data_every_eval_steps_with_dropout_off(tiny, setu
     met = m.metrics
     assert met["steps_done"] == 4 and met["eval_rows"] == 32
     assert abs(met["first_reward_margin"]) < 1e-5  # dropout off: the policy's forward is the reference's
-    for k in ("loss", "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward"):
-        assert met[f"eval_{k}"] == pytest.approx(met[f"final_{k}"], rel=1e-5, abs=1e-6), k
+    trained = reference.run(reference.Config(pairs_uri=ref_uri, ref_uri=str(out), output_uri=str(tmp_path / "again"),
+                                             max_len=64)).uri
+    ref, now = store.read_table(ref_uri).to_pylist(), store.read_table(trained).to_pylist()
+    c = [0.1 * (n["ref_chosen_logp"] - r["ref_chosen_logp"]) for r, n in zip(ref, now)]  # beta 0.1: implied rewards
+    j = [0.1 * (n["ref_rejected_logp"] - r["ref_rejected_logp"]) for r, n in zip(ref, now)]
+    expect = {"chosen_reward": sum(c) / 32, "rejected_reward": sum(j) / 32, "reward_margin": (sum(c) - sum(j)) / 32,
+              "reward_accuracy": sum(a > b for a, b in zip(c, j)) / 32,
+              "loss": sum(math.log1p(math.exp(-(a - b))) for a, b in zip(c, j)) / 32}
+    for k, v in expect.items():
+        assert met[f"eval_{k}"] == pytest.approx(v, rel=1e-4, abs=1e-5), k
     assert met["eval_reward_margin"] > met["first_reward_margin"]
     log = json.loads((out / "training_log.json").read_text())
+    # no pass over the training set after training: final_* are the (one) epoch's step means
+    for k in ("loss", "reward_margin", "reward_accuracy"):
+        assert met[f"final_{k}"] == pytest.approx(sum(h[k] for h in log) / len(log), rel=1e-9), k
     assert [h["step"] for h in log if "eval_loss" in h] == [2, 4]
     assert log[-1]["eval_reward_accuracy"] == met["eval_reward_accuracy"]
     assert "first_eval_loss" not in met

@@ -12,6 +12,7 @@ from rlhf_core.train import attention
 from rlhf_core.train.entry import batch_of
 
 MODEL = "reward_model"
+FINAL_PASS = True  # reward mean / std of the trained model over the training set (saved_config): one more forward
 
 
 def rewards(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int):
