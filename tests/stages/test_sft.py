@@ -1,4 +1,4 @@
-"""sft through the real deepspeed launcher (ZeRO-2, one CPU process), packing, LoRA, and the SIGKILL resume."""
+"""sft as a real DeepSpeed job (ZeRO-2, one CPU process, started directly), packing, LoRA, and the SIGKILL resume."""
 import json
 import os
 import signal

@@ -1,4 +1,4 @@
-"""train_rm through the deepspeed launcher: > 0.9 accuracy on the demo's gold-labelled pairs, every
+"""train_rm as a DeepSpeed job: > 0.9 accuracy on the demo's gold-labelled pairs, every
 parameter group trained, reward mean/std written into config.json."""
 import json
 import os
