@@ -213,8 +213,8 @@ def test_iterative_loop_with_kto_raises_gold_reward_on_s3(demo_run, s3_root):
     from flows.iterative_dpo import Params, checks, iterative_dpo
     from stages.common import ConfigError
 
-    kto_cfg = {"beta": 0.1, "learning_rate": 5.0e-4, "max_epochs": 2, "micro_train_batch_size": 16, "train_batch_size": 16,
-               "max_len": 48}
+    kto_cfg = {"beta": 0.1, "learning_rate": 5.0e-4, "lr_warmup_ratio": 0.0, "max_epochs": 2, "micro_train_batch_size": 16,
+               "train_batch_size": 16, "max_len": 48}
     params = _loop_params(demo_run, s3_root, run_name="kto", iterations=1, trainer="kto", kto=kto_cfg)
     with pytest.raises(ConfigError, match="trainer=kto does not read dpo settings"):
         checks(Params(**{**params, "dpo": {"beta": 0.2}}))

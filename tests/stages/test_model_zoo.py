@@ -58,6 +58,14 @@ def test_zoo_model_from_a_plain_s3_folder_through_every_stage(arch, zoo, zoo_s3)
     at = lambda name: f"{zoo_s3.root}/runs/{arch}/{name}"  # noqa: E731
     hf = zoo_s3.models[arch]
     tok = models.load_tokenizer(zoo[arch].policy)
+    # Gemma-2 soft-caps its attention logits, which sdpa (the default) cannot: its user sets eager, and a
+    # default run is refused by name
+    attn = {"attn_implementation": "eager"} if arch == "gemma2" else {}
+    if attn:
+        with pytest.raises(ValueError, match="attn_implementation=sdpa: .* soft-caps its attention logits"):
+            sft.run(sft.Config(policy_uri=hf.policy, dataset_uri=zoo_s3.sft, input_key="messages", output_key=None,
+                               apply_chat_template=True, output_uri=at("sft-sdpa"), **TRAIN))
+        assert not store.committed_any(at("sft-sdpa"))
 
     # prepare: chat-format prompts and pairs with the policy folder's own chat_template.jinja
     chat = dict(input_key="messages", apply_chat_template=True, tokenizer_uri=hf.policy)
@@ -71,12 +79,12 @@ def test_zoo_model_from_a_plain_s3_folder_through_every_stage(arch, zoo, zoo_s3)
 
     # sft and train_rm start from the plain folders; the trained model keeps the EOS list and the template
     warm = sft.run(sft.Config(policy_uri=hf.policy, dataset_uri=zoo_s3.sft, input_key="messages", output_key=None,
-                              apply_chat_template=True, output_uri=at("sft"), **TRAIN))
+                              apply_chat_template=True, output_uri=at("sft"), **TRAIN, **attn))
     assert warm.metrics["steps_done"] == 2 and _changed(zoo[arch].policy, warm.uri)
     warm_dir = model_inputs.fetch_model(warm.uri)
     assert models.eos_ids(models.load_tokenizer(warm_dir), warm_dir) == models.eos_ids(tok, zoo[arch].policy)
     assert (warm_dir / "chat_template.jinja").exists()
-    rm = train_rm.run(train_rm.Config(base_uri=hf.reward, dataset_uri=pairs.uri, output_uri=at("rm"), **TRAIN))
+    rm = train_rm.run(train_rm.Config(base_uri=hf.reward, dataset_uri=pairs.uri, output_uri=at("rm"), **TRAIN, **attn))
     assert rm.metrics["steps_done"] == 2 and _changed(zoo[arch].reward, rm.uri)
 
     # generate from the warmed policy, score with the trained reward model
@@ -90,8 +98,8 @@ def test_zoo_model_from_a_plain_s3_folder_through_every_stage(arch, zoo, zoo_s3)
 
     # reference pass with the plain folder as reference, then dpo on it
     ref = reference.run(reference.Config(pairs_uri=pairs.uri, ref_uri=hf.policy, max_len=64, launcher="python",
-                                         output_uri=at("ref")))
-    trained = dpo.run(dpo.Config(policy_uri=hf.policy, dataset_uri=ref.uri, output_uri=at("dpo"), **TRAIN))
+                                         output_uri=at("ref"), **attn))
+    trained = dpo.run(dpo.Config(policy_uri=hf.policy, dataset_uri=ref.uri, output_uri=at("dpo"), **TRAIN, **attn))
     assert trained.metrics["steps_done"] == 2 and _changed(zoo[arch].policy, trained.uri)
     assert abs(trained.metrics["first_reward_margin"]) < 1e-6  # policy == reference at step 0
     assert {i["name"]: i["stage"] for i in trained.inputs}["policy"] == "source"
