@@ -213,7 +213,9 @@ def test_iterative_loop_with_kto_raises_gold_reward_on_s3(demo_run, s3_root):
     from flows.iterative_dpo import Params, checks, iterative_dpo
     from stages.common import ConfigError
 
-    kto_cfg = {"beta": 0.1, "learning_rate": 5.0e-4, "lr_warmup_ratio": 0.0, "max_epochs": 2, "micro_train_batch_size": 16,
+    # lr 2.5e-4: at 5e-4 the policy drifted to KL 1.7 and 2.9-token responses (gold -0.013) from the demo's SFT
+    # policy after issue 24's schedule change; measured here: gold -0.0008 -> 0.0138, KL 0.75
+    kto_cfg = {"beta": 0.1, "learning_rate": 2.5e-4, "lr_warmup_ratio": 0.0, "max_epochs": 2, "micro_train_batch_size": 16,
                "train_batch_size": 16, "max_len": 48}
     params = _loop_params(demo_run, s3_root, run_name="kto", iterations=1, trainer="kto", kto=kto_cfg)
     with pytest.raises(ConfigError, match="trainer=kto does not read dpo settings"):
