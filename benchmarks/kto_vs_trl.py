@@ -53,15 +53,33 @@ def main():
     tok = AutoTokenizer.from_pretrained(str(policy))
     real = sum(len(tok(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in rows)
 
+    def config(i):
+        return kto.Config(policy_uri=policy_uri, dataset_uri=kto_uri, output_uri=str(root / f"kto{i}"), max_len=a.max_len,
+                          train_batch_size=a.batch, micro_train_batch_size=a.batch, zero_stage=0, learning_rate=5e-4,
+                          beta=0.1, lr_warmup_ratio=0.0, log_steps=1000, bf16=False)
+
     def ours(i: int) -> dict:
         t1 = time.time()  # the stage's wall: its reference pass included
-        m = kto.run(kto.Config(policy_uri=policy_uri, dataset_uri=kto_uri, output_uri=str(root / f"kto{i}"),
-                               max_len=a.max_len, train_batch_size=a.batch, micro_train_batch_size=a.batch, zero_stage=0,
-                               learning_rate=5e-4, beta=0.1, lr_warmup_ratio=0.0, log_steps=1000, bf16=False))
+        m = kto.run(config(i))
         return {"reference_pass_s": m.metrics["reference_seconds"], "train_loop_s": m.metrics["train_seconds"],
                 "stage_wall_s": time.time() - t1, "dtype": trl_peer.float32_trained(m, root / f"kto{i}")}
 
-    trl_peer.compare(a, str(Path(__file__).resolve()), root, policy, ours, real, {"rows": len(rows)})
+    def bare(i: int) -> dict:  # the training loop of ours(i) without its engine, on the records the stage builds
+        from rlhf_core import models
+        from rlhf_core.train.methods import kto as kto_method
+        from rlhf_core.train.reference import compute
+
+        cfg, pad = config(i), models.pad_id(tok, policy)
+        records, _ = kto_method.tokenize(rows, tok, a.max_len, seed=cfg.seed, model_dir=policy)
+        pairs = [{"chosen_ids": r["ids"], "chosen_start": r["start"], "rejected_ids": r["kl_ids"], "rejected_start": r["kl_start"]}
+                 for r in records]
+        ref_lp, ref_kl, _ = compute(pairs, policy, pad, root / f"bare-ref{i}", batch_size=a.batch, launcher="inline")
+        for r, x, y in zip(records, ref_lp, ref_kl):
+            r["ref_logp"], r["ref_kl_logp"] = x, y
+        spec = {k: getattr(cfg, k) for k in ("beta", "desirable_loss_weight", "undesirable_loss_weight")}
+        return trl_peer.bare_loop(cfg, "kto", records, policy, pad, spec)
+
+    trl_peer.compare(a, str(Path(__file__).resolve()), root, policy, ours, real, {"rows": len(rows)}, bare=bare)
 
 
 if __name__ == "__main__":
