@@ -79,6 +79,10 @@ def reference_rows(cfg: Config, tok, eval: bool) -> list[dict]:
     if mine != theirs:  # other tokens or another dtype: log-probs not comparable, margin != 0 at step 0
         raise ConfigError(f"dpo max_len/overlong/bf16 {mine} differ from the reference pass of {uri} "
                           f"{theirs}: rerun the reference stage with dpo's settings")
+    if (ref_attn := pairs.metrics.get("attn_implementation", "sdpa")) != cfg.attn_implementation:
+        # another kernel, another mask path: log-probs differ (gemma2 eager vs sdpa: 3.7e-3), margin != 0 at step 0
+        raise ConfigError(f"dpo attn_implementation={cfg.attn_implementation} differs from the reference pass of {uri} "
+                          f"({ref_attn}): rerun the reference stage with attn_implementation={cfg.attn_implementation}")
     rows = table.to_pylist()
     return rows[:limit] if limit else rows
 

@@ -89,6 +89,8 @@ def test_dpo_bad_input(tiny, ref_pairs, tmp_path):
         dpo.run(dpo.Config(**{**base, "max_len": 32}))
     with pytest.raises(ConfigError, match=r"max_len/overlong/bf16 \(64, 'truncate', True\) differ from the reference pass"):
         dpo.run(dpo.Config(**{**base, "bf16": True}))  # an fp32 reference for a bf16 policy
+    with pytest.raises(ConfigError, match=r"dpo attn_implementation=eager differs from the reference pass of .* \(sdpa\)"):
+        dpo.run(dpo.Config(**{**base, "attn_implementation": "eager"}))
     # pairs without reference log-probs
     raw = ref_pairs.inputs[0]["uri"]
     with pytest.raises(store.StageMismatchError, match="expected 'reference'"):
