@@ -1,6 +1,6 @@
 """Episodes/s of the agent executor (rlhf_core.agent): N multi-turn episodes run concurrently (their turns
 batched into one generate call per engine per turn) vs the same N episodes run one at a time, on the same
-in-process HF rollout engine (rlhf_core.ppo.roles.HFRollout, fp32) with the tiny demo policy and the shipped
+in-process HF rollout engine (rlhf_core.ppo.engines.HFRollout, fp32) with the tiny demo policy and the shipped
 environment configs/agents/review_retry.py (a weak review is sent back, 3 tries at most; the untrained tiny
 policy's reviews are weak, so episodes take up to 3 turns). Same prompts, sampling settings and token budget on
 both sides; the ratio is the concurrency gain.
@@ -32,7 +32,7 @@ def main() -> None:
     import torch
 
     from rlhf_core import agent, demo_task, models, tiny
-    from rlhf_core.ppo.roles import HFRollout
+    from rlhf_core.ppo.engines import HFRollout
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="agent-bench-"))

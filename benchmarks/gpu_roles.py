@@ -146,7 +146,8 @@ def grpo(args, shape: dict, dev: str, dtype, clock: Clock, work: Path) -> None:
     from rlhf_core import demo_task, rl_math, tiny
     from rlhf_core.jobs import free_port
     from rlhf_core.ppo.loop import collate
-    from rlhf_core.ppo.roles import HFRollout, Learner
+    from rlhf_core.ppo.engines import HFRollout
+    from rlhf_core.ppo.roles import Learner
 
     cuda, bf16 = dev == "cuda", dtype == torch.bfloat16
     tok = tiny.build_tokenizer(work / "tokenizer", demo_task.corpus(0))

@@ -26,7 +26,8 @@ def main(size: str, repeats: int, profile: bool) -> None:
     from rlhf_core import demo_task, rl_math, tiny
     from rlhf_core.jobs import free_port
     from rlhf_core.ppo import loop
-    from rlhf_core.ppo.roles import HFRollout, Learner, policy_logprobs
+    from rlhf_core.ppo.engines import HFRollout
+    from rlhf_core.ppo.roles import Learner, policy_logprobs
     from stages import ppo
 
     d = tempfile.mkdtemp()

@@ -33,7 +33,8 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
 
     from rlhf_core import demo_task, rl_math
     from rlhf_core.ppo.loop import collate
-    from rlhf_core.ppo.roles import HFRollout, policy_logprobs
+    from rlhf_core.ppo.engines import HFRollout
+    from rlhf_core.ppo.roles import policy_logprobs
 
     s = SETTINGS
     tok = AutoTokenizer.from_pretrained(policy_dir)

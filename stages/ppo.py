@@ -4,7 +4,7 @@ One run is one Ray job (rlhf_core.ppo.loop): the policy's DeepSpeed engine insid
 nccl on GPU), a critic for `gae` (from critic_uri, default the reward model, as OpenRLHF does), a frozen
 reference when a KL term is used (init_kl_coef > 0), the reward (a reward-model actor, a reward_func file
 or a remote server: the score stage's sources) and long-lived rollout engines that receive the new weights
-in place through Ray's object store after every update. Experience is token in, token out. The math is
+in place after every update (rlhf_core.ppo.weight_sync). Experience is token in, token out. The math is
 rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce_baseline | rloo |
 group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
 prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
@@ -17,9 +17,7 @@ weight the policy loss by the trainer/rollout probability ratio. async_train ove
 with training on step k (weights at most async_queue_size updates old); colocate_all_models /
 colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Every role runs
 on its own device (the GPU Ray reserved for it, else the CPU) in bf16 with `bf16`; every log-prob is of the
-tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). Left out: a
-torch.distributed weight-sync group (weights go through Ray's object store) and the hybrid engine's
-vllm_enable_sleep / deepspeed_enable_sleep (refused).
+tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). 
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
@@ -133,8 +131,36 @@ class Config(StageConfig):
     colocate_all_models: bool = Field(False, description="Every role shares the policy ranks' bundles (--colocate_all_models).")
     colocate_actor_ref: bool = Field(False, description="The reference shares policy rank 0's bundle (--colocate_actor_ref).")
     colocate_critic_reward: bool = Field(False, description="The reward model shares critic rank 0's bundle (--colocate_critic_reward).")
-    vllm_enable_sleep: bool = Field(False, description="Not supported: refused (see the validator).")
-    deepspeed_enable_sleep: bool = Field(False, description="Not supported: refused (see the validator).")
+    # ---- rollout engines and the weight path (rlhf_core.ppo.engines, rlhf_core.ppo.weight_sync)
+    weight_sync_backend: Literal["collective", "object_store"] = Field(
+        "collective", description="How new weights reach the rollout engines after each update: collective (a "
+        "torch.distributed group of policy rank 0 and the engines, gloo on CPU, nccl on CUDA, in buckets; CUDA IPC "
+        "when an engine shares the learner's GPU) or object_store (Ray's object store, the fallback).")
+    weight_sync_bucket_mb: int = Field(256, ge=1, description="Bucket size of the collective weight sync (MB).")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of each vLLM rollout engine "
+                                           "(--vllm_tensor_parallel_size).")
+    vllm_enable_sleep: bool = Field(False, description="vLLM sleep / wake_up around training (--vllm_enable_sleep), CUDA only.")
+    enable_prefix_caching: bool = Field(False, description="vLLM prefix caching in the rollout engines (--enable_prefix_caching).")
+    enforce_eager: bool = Field(False, description="vLLM without CUDA graphs (--enforce_eager).")
+    # ---- learners, reference and placement (rlhf_core.ppo.roles, rlhf_core.ppo.placement)
+    deepspeed_enable_sleep: bool = Field(False, description="DeepSpeed offload_states / reload_states around "
+                                         "rollouts (--deepspeed_enable_sleep), CUDA only.")
+    ref_num_nodes: int = Field(1, ge=1, description="Reference nodes (--ref_num_nodes).")
+    ref_num_gpus_per_node: int = Field(1, ge=1, description="Reference ranks per node (--ref_num_gpus_per_node); "
+                                       "several ranks shard it with ZeRO-3 inference.")
+    ref_reward_offload: bool = Field(False, description="Keep the reference and reward model on the CPU between their "
+                                     "forwards (--ref_reward_offload).")
+    packing_samples: bool = Field(False, description="Pack samples into rows without padding, per-sample position ids "
+                                  "(--packing_samples).")
+    use_dynamic_batch: bool = Field(False, description="Micro-batches bounded by tokens instead of rows "
+                                    "(--use_dynamic_batch).")
+    train_max_tokens_per_gpu: int = Field(16192, ge=1, description="use_dynamic_batch: tokens per training "
+                                          "micro-batch per rank at most (--train_max_tokens_per_gpu).")
+    rollout_max_tokens_per_gpu: int | None = Field(None, ge=1, description="use_dynamic_batch: tokens per experience "
+                                                   "micro-batch per rank at most; default train_max_tokens_per_gpu "
+                                                   "(--rollout_max_tokens_per_gpu).")
+    adam_offload: bool = Field(False, description="Optimizer states on the CPU (ZeRO offload) in the learners "
+                               "(--adam_offload).")
     # runtime: placement and bookkeeping, left out of the fingerprint
     vllm_num_engines: int = Field(1, ge=1, description="Rollout engines (Ray actors).")
     vllm_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="vllm on CUDA: the fraction of its "
@@ -154,7 +180,9 @@ class Config(StageConfig):
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
         "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep",
-        "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep"}
+        "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
+        "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
+        "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -212,11 +240,27 @@ class Config(StageConfig):
         if self.async_train and self.colocate_all_models:
             raise ValueError("async_train cannot be used with colocate_all_models (as in OpenRLHF): rollout and "
                              "training overlap, so they cannot share the same devices")
-        if (sleep := [k for k in ("vllm_enable_sleep", "deepspeed_enable_sleep") if getattr(self, k)]):
-            raise ValueError(f"{' and '.join(sleep)}: not supported by this ppo stage (the hybrid engine's memory "
-                             f"release is CUDA-only and not wired to vLLM sleep / DeepSpeed offload here); on a CPU "
-                             f"host there is no device memory to release. Remove the flag; colocate_all_models "
-                             f"works without it")
+        return self
+
+    @model_validator(mode="after")
+    def _engines(self):
+        """Rollout engines and the weight path, checked before Ray starts."""
+        if self.vllm_enable_sleep and not torch.cuda.is_available():
+            raise ValueError("vllm_enable_sleep: vLLM's sleep mode releases CUDA memory; this host has no CUDA device "
+                             "(nothing to release). Remove the flag")
+        return self
+
+    @model_validator(mode="after")
+    def _learners(self):
+        """Learners, reference and placement, checked before Ray starts."""
+        if self.deepspeed_enable_sleep and not torch.cuda.is_available():
+            raise ValueError("deepspeed_enable_sleep: DeepSpeed's offload_states moves CUDA memory to the host; this "
+                             "host has no CUDA device. Remove the flag")
+        return self
+
+    @model_validator(mode="after")
+    def _driver(self):
+        """The driver: resume, checkpoints, the store, checked before Ray starts."""
         return self
 
 

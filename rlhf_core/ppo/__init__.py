@@ -1,2 +1,4 @@
-"""Online RL on Ray: the roles (roles.py) and the driver loop (loop.py) behind the ppo stage. The math is in
+"""Online RL on Ray behind the ppo stage: the learner and reference roles (roles.py), the rollout engines
+(engines.py), the weight path between them (weight_sync.py), where they are placed (placement.py), each node's
+store traffic (node_store.py), the rollout feed (feed.py) and the driver loop (loop.py). The math is in
 rlhf_core.rl_math. Nothing here is imported by `import rlhf_core`; ray and deepspeed load inside functions."""

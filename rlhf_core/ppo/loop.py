@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from rlhf_core import rl_math
+from rlhf_core.ppo.feed import RolloutFeed
+from rlhf_core.ppo.placement import Roles
 from rlhf_core.ppo.roles import peak_memory_gb
 from rlhf_core.train import checkpoints
 
@@ -71,108 +73,6 @@ def _split(batch: dict, parts: int) -> list[dict]:
     return [{k: v[i * n:(i + 1) * n] for k, v in batch.items()} for i in range(parts)]
 
 
-def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
-    """(role, placement-group bundle) for every actor, in the order Roles creates them: policy ranks, critic
-    ranks, reference, reward, rollout engines. Each actor gets its own bundle, except (OpenRLHF's flags):
-    colocate_all_models puts critic rank i, the reference, the reward model and engine j on policy rank
-    (i or j) mod world's bundle (the hybrid engine); colocate_actor_ref puts the reference on policy rank 0's
-    bundle; colocate_critic_reward puts the reward model on critic rank 0's bundle."""
-    plan = [(f"policy{r}", r) for r in range(world)]
-    nxt = world
-
-    def add(name: str, shared: int | None) -> None:
-        nonlocal nxt
-        if shared is None:
-            shared, nxt = nxt, nxt + 1
-        plan.append((name, shared))
-
-    every = cfg.colocate_all_models
-    for r in range(cworld):
-        add(f"critic{r}", r % world if every else None)
-    if reference:
-        add("reference", 0 if every or cfg.colocate_actor_ref else None)
-    if reward:
-        critic0 = dict(plan).get("critic0")
-        add("reward", 0 if every else critic0 if cfg.colocate_critic_reward and critic0 is not None else None)
-    for j in range(cfg.vllm_num_engines):
-        add(f"rollout{j}", j % world if every else None)
-    return plan
-
-
-class Roles:
-    """The Ray actors of one run, on one placement group (bundles as bundle_plan says)."""
-
-    def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
-                 total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None):
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from rlhf_core.jobs import free_port
-        from rlhf_core.ppo.roles import HFRollout, Learner, Reference, VLLMRollout
-        from rlhf_core.rewards import RMEngine
-
-        cuda = torch.cuda.is_available()
-        world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
-        cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
-        self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
-        n_bundles = 1 + max(b for _, b in self.plan)
-        share = [sum(b == i for _, b in self.plan) for i in range(n_bundles)]
-        cpus = ray.cluster_resources().get("CPU", 1)
-        per_cpu = max(0.01, min(1.0, cpus / n_bundles))  # on a small CPU host the roles share cores
-        gpu = 1 if cuda else 0
-        self.pg = placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in range(n_bundles)],
-                                  strategy="PACK")
-        ray.get(self.pg.ready(), timeout=cfg.ray_timeout_s)
-        env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}}}
-        slots = iter(self.plan)
-
-        def place(cls, *args, gpus=0):
-            _, b = next(slots)  # actors sharing a bundle split its CPU (and GPU) evenly
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b)
-            return ray.remote(cls).options(num_cpus=per_cpu / share[b], num_gpus=gpus / share[b] if gpus else 0,
-                                           scheduling_strategy=strategy, **env).remote(*args)
-
-        self.all = []
-        # every role runs its model on a GPU when there is one, so each reserves its (share of a) GPU: an actor
-        # without a reservation would still see every GPU and use GPU 0
-        self.policy = [place(Learner, "policy", r, world, gpus=gpu) for r in range(world)]
-        self.critic = [place(Learner, "critic", r, cworld, gpus=gpu) for r in range(cworld)] if critic_dir else []
-        self.reference = place(Reference, ref_dir, hp, gpus=gpu) if ref_dir else None
-        self.reward = place(RMEngine, reward_model_dir, reward_spec, gpus=gpu) if reward_model_dir else None
-        engine = (VLLMRollout, (policy_dir, max_model_len, hp["bf16"], cfg.vllm_gpu_memory_utilization)) \
-            if cfg.rollout_backend == "vllm" \
-            else (HFRollout, (policy_dir, hp["bf16"]))
-        self.rollouts = [place(engine[0], *engine[1], gpus=gpu) for _ in range(cfg.vllm_num_engines)]
-        self.all = [*self.policy, *self.critic, *[a for a in (self.reference, self.reward) if a], *self.rollouts]
-        setups = []
-        for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
-            if group:
-                addr, port = ray.get(group[0].node_ip.remote()), free_port()
-                setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
-        ray.get(setups)
-
-    def peak_memory(self) -> dict:
-        """Peak memory (GB) of the inference roles: the reference, the reward model, the fullest rollout engine
-        (the learners report theirs with each train step)."""
-        import ray
-
-        named = [(k, a) for k, a in (("reference", self.reference), ("reward", self.reward)) if a is not None]
-        got = ray.get([a.peak_memory_gb.remote() for _, a in named] + [e.peak_memory_gb.remote() for e in self.rollouts])
-        out = {f"{k}_peak_mem_gb": v for (k, _), v in zip(named, got)}
-        if self.rollouts:
-            out["rollout_peak_mem_gb"] = max(got[len(named):])
-        return out
-
-    def close(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        for a in self.all:
-            ray.kill(a)
-        remove_placement_group(self.pg)
-
-
 def _forward(group: list, batch: dict) -> torch.Tensor:
     import ray
 
@@ -190,16 +90,6 @@ def _train(group: list, batch: dict, coef: float) -> dict:
         elif k.endswith("_peak_mem_gb"):
             out[k] = max(p[k] for p in parts)  # the fullest rank
     return out
-
-
-def sync_weights(roles: Roles) -> float:
-    """Policy rank 0's full state_dict -> Ray's object store -> every rollout engine, in place. Seconds."""
-    import ray
-
-    t0 = time.perf_counter()
-    refs = [r for part in ray.get([a.publish_weights.remote() for a in roles.policy]) for r in part]
-    ray.get([e.load_weights.remote(refs) for e in roles.rollouts])
-    return time.perf_counter() - t0
 
 
 def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: list[str], labels: list, where: str,
@@ -228,9 +118,11 @@ def learner_settings(cfg) -> dict:
             "lr_warmup_ratio", "min_lr_ratio", "train_batch_size", "micro_train_batch_size", "max_norm", "zero_stage",
             "max_epochs", "generate_max_len", "dual_clip", "use_kl_loss", "kl_estimator", "entropy_loss_coef",
             "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop",
-            "temperature")
+            "temperature", "deepspeed_enable_sleep", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload",
+            "packing_samples", "use_dynamic_batch", "train_max_tokens_per_gpu", "adam_offload")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
             "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,
+            "rollout_max_tokens_per_gpu": cfg.rollout_max_tokens_per_gpu or cfg.train_max_tokens_per_gpu,
             "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
 
 
@@ -332,69 +224,6 @@ def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
     return float(((batch["rollout_logp"] - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 
-class RolloutFeed:
-    """Rollouts in step order. Sync (async_train off): `get(step)` generates step's batch now, with the weights
-    of every update so far. Async (OpenRLHF's --async_train): a thread generates ahead into a queue while the
-    driver trains, so the rollout of step k+1 overlaps training on step k; rollout j starts only once update
-    j - 1 - async_queue_size has been synced to the engines (`synced(step)`), so a batch is generated with
-    weights at most async_queue_size updates old (per engine: an engine takes new weights between generate
-    calls). Seeds depend on the step only, so a resumed run draws what the uninterrupted run would have."""
-
-    def __init__(self, cfg, produce, steps: list[tuple[int, list[int]]]):
-        """`produce(step, idx)`: the experience of one step (`rollout`); `steps`: (step, prompt indices) in order."""
-        import queue
-        import threading
-
-        self.cfg, self.produce, self.steps = cfg, produce, steps
-        self.thread = None
-        if cfg.async_train and steps:
-            self.queue = queue.Queue()
-            self.permits = threading.Semaphore(cfg.async_queue_size + 1)
-            self.stop = threading.Event()
-            self.thread = threading.Thread(target=self._produce, name="ppo-rollout", daemon=True)
-            self.thread.start()
-
-    def _produce(self) -> None:
-        try:
-            for step, idx in self.steps:
-                while not self.permits.acquire(timeout=0.2):
-                    if self.stop.is_set():
-                        return
-                if self.stop.is_set():
-                    return
-                t0 = time.perf_counter()
-                out = self.produce(step, idx)
-                self.queue.put((step, out, time.perf_counter() - t0))
-        except BaseException as e:  # the driver re-raises it at its next get
-            self.queue.put((None, e, 0.0))
-
-    def get(self, step: int, idx: list[int]) -> tuple[dict, float]:
-        """Step's experience and the seconds the driver waited for them (async: only what training did not hide)."""
-        t0 = time.perf_counter()
-        if self.thread is None:
-            return self.produce(step, idx), time.perf_counter() - t0
-        got, out, _ = self.queue.get()
-        if got is None:
-            raise out
-        assert got == step, f"rollout queue out of order: step {got} for {step}"
-        return out, time.perf_counter() - t0
-
-    def synced(self, step: int) -> None:
-        """Update `step` reached the engines: one more rollout may start."""
-        if self.thread is not None:
-            self.permits.release()
-
-    def halt(self) -> None:
-        """No new rollout starts (call before the engines go away)."""
-        if self.thread is not None:
-            self.stop.set()
-
-    def close(self) -> None:
-        if self.thread is not None:
-            self.stop.set()
-            self.thread.join(timeout=60)
-
-
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, tok, dirs: dict, reward_spec,
           work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` holds local
@@ -423,7 +252,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             ray.get([a.load_checkpoint.remote(str(local / "actor"), meta["tag"]) for a in roles.policy] +
                     [a.load_checkpoint.remote(str(local / "critic"), meta["tag"]) for a in roles.critic])
             state = State(**json.loads((local / "state.json").read_text()))
-            sync_weights(roles)
+            roles.weights.sync()
             log.info("ppo: resumed from %s at step %d of %d", meta["uri"], state.step, total)
         resumed_from = state.step
         kl_ctl = rl_math.KLController(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -490,7 +319,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             if actor_trained:
                 metrics.update(_train(roles.policy, exp, kl_ctl.value))
             t_train = time.perf_counter() - t0
-            t_sync = sync_weights(roles) if actor_trained else 0.0
+            t_sync = roles.weights.sync() if actor_trained else 0.0
             feed.synced(step)
             seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
             kl_ctl.update(seq_kl, R * n)

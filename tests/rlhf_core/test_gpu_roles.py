@@ -25,7 +25,8 @@ import torch
 
 from rlhf_core import demo_task, logprobs, rl_math
 from rlhf_core.ppo import loop
-from rlhf_core.ppo.roles import HFRollout, Learner, Reference
+from rlhf_core.ppo.engines import HFRollout
+from rlhf_core.ppo.roles import Learner, Reference
 from rlhf_core.rewards import RMEngine, RewardSpec
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,8 @@ import torch
 
 from rlhf_core import losses
 from rlhf_core.ppo import loop
-from rlhf_core.ppo.roles import HFRollout, Learner, Reference, policy_logprobs, to_device
+from rlhf_core.ppo.engines import HFRollout
+from rlhf_core.ppo.roles import Learner, Reference, policy_logprobs, to_device
 from rlhf_core.rewards import RMEngine, RewardSpec
 from stages import ppo
 
@@ -226,7 +227,7 @@ def test_weights_travel_as_numpy_and_load_bit_exact(tiny, dtype):
     import numpy as np
     from ray import cloudpickle
 
-    from rlhf_core.ppo.roles import from_wire, to_wire
+    from rlhf_core.ppo.weight_sync import from_wire, to_wire
 
     src = HFRollout(str(tiny.policy_dir), bf16=dtype == torch.bfloat16)
     with torch.no_grad():
