@@ -144,3 +144,10 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
         self.updates += 1
         return self.updates
+
+
+def engine_spec(cfg, model_dir: str, max_model_len: int) -> tuple[type, tuple]:
+    """(engine class, constructor arguments) of the run's rollout engines (`cfg`: the ppo stage's config)."""
+    if cfg.rollout_backend == "vllm":
+        return VLLMRollout, (model_dir, max_model_len, cfg.bf16, cfg.vllm_gpu_memory_utilization)
+    return HFRollout, (model_dir, cfg.bf16)

@@ -277,6 +277,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             idx = prompts_of(step)
             # 1. rollout through the agent executor: token ids in, token ids + per-token log-probs out, rewards
             #    (async_train: generated ahead while the previous step trained; t_rollout is the wait)
+            roles.phase("generate")
             exp0, t_rollout = feed.get(step, idx)
             batch, raw, extra, idx = exp0["batch"], exp0["raw"], exp0["metrics"], exp0["prompt_indices"]
             # 2. normalisation
@@ -286,6 +287,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 scores = moments.normalize(scores)
             # 3. reference, critic and policy forward passes on the same tokens
             t0 = time.perf_counter()
+            roles.phase("train")
             ref_logp = _forward([roles.reference], batch) if use_ref else None
             t_ref = time.perf_counter() - t0
             # On-policy, one optimizer step per rollout and no KL term: the learners' own first forward runs on
@@ -319,6 +321,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             if actor_trained:
                 metrics.update(_train(roles.policy, exp, kl_ctl.value))
             t_train = time.perf_counter() - t0
+            roles.phase("sync")
             t_sync = roles.weights.sync() if actor_trained else 0.0
             feed.synced(step)
             seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()

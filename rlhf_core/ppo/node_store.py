@@ -6,6 +6,12 @@ Today: paths are the driver's local paths (a single machine, or a shared disk).
 from __future__ import annotations
 
 
+def actor_env(role: str) -> dict:
+    """Environment variables of the Ray actor of `role` ("policy0", "critic1", "reference", "reward", "rollout0"
+    ...: placement.bundle_plan's names), beside the placement's own."""
+    return {}
+
+
 def local_model(src: str) -> str:
     """A local folder holding the model `src` names, on this node."""
     return src

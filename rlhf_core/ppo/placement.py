@@ -43,8 +43,7 @@ class Roles:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlhf_core.jobs import free_port
-        from rlhf_core.ppo import weight_sync
-        from rlhf_core.ppo.engines import HFRollout, VLLMRollout
+        from rlhf_core.ppo import engines, node_store, weight_sync
         from rlhf_core.ppo.roles import Learner, Reference
         from rlhf_core.rewards import RMEngine
 
@@ -64,10 +63,11 @@ class Roles:
         slots = iter(self.plan)
 
         def place(cls, *args, gpus=0):
-            _, b = next(slots)  # actors sharing a bundle split its CPU (and GPU) evenly
+            name, b = next(slots)  # actors sharing a bundle split its CPU (and GPU) evenly
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b)
+            role_env = {"runtime_env": {"env_vars": {**env["runtime_env"]["env_vars"], **node_store.actor_env(name)}}}
             return ray.remote(cls).options(num_cpus=per_cpu / share[b], num_gpus=gpus / share[b] if gpus else 0,
-                                           scheduling_strategy=strategy, **env).remote(*args)
+                                           scheduling_strategy=strategy, **role_env).remote(*args)
 
         self.all = []
         # every role runs its model on a GPU when there is one, so each reserves its (share of a) GPU: an actor
@@ -76,10 +76,8 @@ class Roles:
         self.critic = [place(Learner, "critic", r, cworld, gpus=gpu) for r in range(cworld)] if critic_dir else []
         self.reference = place(Reference, ref_dir, hp, gpus=gpu) if ref_dir else None
         self.reward = place(RMEngine, reward_model_dir, reward_spec, gpus=gpu) if reward_model_dir else None
-        engine = (VLLMRollout, (policy_dir, max_model_len, hp["bf16"], cfg.vllm_gpu_memory_utilization)) \
-            if cfg.rollout_backend == "vllm" \
-            else (HFRollout, (policy_dir, hp["bf16"]))
-        self.rollouts = [place(engine[0], *engine[1], gpus=gpu) for _ in range(cfg.vllm_num_engines)]
+        engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
+        self.rollouts = [place(engine_cls, *engine_args, gpus=gpu) for _ in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *[a for a in (self.reference, self.reward) if a], *self.rollouts]
         setups = []
         for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
@@ -88,6 +86,11 @@ class Roles:
                 setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
         ray.get(setups)
         self.weights = weight_sync.connect(self, cfg)
+
+    def phase(self, name: str) -> None:
+        """The driver enters phase `name` of a step: "generate" (the rollout), "train" (experience forwards and
+        updates), "sync" (new weights into the engines). The hybrid engine's sleep flags act here; without them
+        nothing happens."""
 
     def peak_memory(self) -> dict:
         """Peak memory (GB) of the inference roles: the reference, the reward model, the fullest rollout engine
