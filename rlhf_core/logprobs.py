@@ -43,15 +43,18 @@ def _chunk(head, config, h, targets, temperature: float, with_entropy: bool):
 
 
 def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor | None = None,
-                   temperature: float = 1.0, entropy: str | None = None, chunk: int = CHUNK):
+                   temperature: float = 1.0, entropy: str | None = None, chunk: int = CHUNK, position_ids=None):
     """log pi(x_{t+1} | x_<=t) under softmax(logits / temperature), # (B, L - 1) fp32, zero where `mask` is 0
     (only the masked-in columns are computed; mask None: every column).
     entropy: None (not computed), "metric" (computed without autograd: for the log) or "loss" (with autograd:
     entropy_loss_coef > 0). Returns (logp, entropy # (B, L - 1) or None).
-    e.g. logits [0, ln 3] at T 1 for target 1: log(3/4) = -0.2877; at T 0.5: logits [0, 2 ln 3] -> log(9/10)."""
+    e.g. logits [0, ln 3] at T 1 for target 1: log(3/4) = -0.2877; at T 0.5: logits [0, 2 ln 3] -> log(9/10).
+    Packed rows (samples one after another, rlhf_core.train.batches): `attn` is the prepared layout mask
+    (attention.model_inputs) and `position_ids` restart at each sample."""
     body = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
-    h = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, :-1]  # (B, L - 1, H)
+    pos = {} if position_ids is None else {"position_ids": position_ids}
+    h = body(input_ids=ids, attention_mask=attn, use_cache=False, **pos).last_hidden_state[:, :-1]  # (B, L - 1, H)
     targets = ids[:, 1:]  # (B, L - 1)
     # Only the action columns go through the head; a meta tensor (memory and device tests) has no values to
     # select by, so there every column is computed and the mask applied after.

@@ -124,9 +124,10 @@ def _norm_stats(cfg) -> tuple[float, float] | None:
 
 
 class RMEngine:
-    """Scores (prompt, response) texts with a reward model. One instance per Ray actor (or in-process)."""
+    """Scores (prompt, response) texts with a reward model. One instance per Ray actor (or in-process).
+    `offload` (ppo's ref_reward_offload, CUDA only): the weights wait in host memory between scoring calls."""
 
-    def __init__(self, model: str, spec: RewardSpec):
+    def __init__(self, model: str, spec: RewardSpec, offload: bool = False):
         import torch
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -168,8 +169,9 @@ class RMEngine:
                         w = st.get_tensor(f"{spec.value_head_prefix}.weight")
             self.head = torch.nn.Linear(w.shape[1], 1, bias=False, dtype=dtype)
             self.head.weight.data.copy_(w.to(dtype))
-        self.body.to(self.device).eval()
-        self.head.to(self.device).eval()
+        self.offload = offload and self.device == "cuda"
+        self.body.to("cpu" if self.offload else self.device).eval()
+        self.head.to("cpu" if self.offload else self.device).eval()
         self.stats = _norm_stats(AutoConfig.from_pretrained(path)) if spec.normalize else None
         self.spec = spec
         self.pad_id = models.pad_id(self.tok, path)
@@ -206,6 +208,18 @@ class RMEngine:
     def rate(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[tuple[float, list[float] | None]]:
         """(reward, a PRM's per-step rewards or None) of each (prompt, response); `finished` False marks a
         response cut by the generation length (no EOS appended)."""
+        if not self.offload:
+            return self._rate(pairs, finished)
+        import torch
+
+        self.body.to(self.device), self.head.to(self.device)
+        try:
+            return self._rate(pairs, finished)
+        finally:
+            self.body.to("cpu"), self.head.to("cpu")
+            torch.cuda.empty_cache()
+
+    def _rate(self, pairs, finished):
         import torch
 
         if self.prm is not None:

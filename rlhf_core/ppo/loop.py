@@ -288,7 +288,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             # 3. reference, critic and policy forward passes on the same tokens
             t0 = time.perf_counter()
             roles.phase("train")
-            ref_logp = _forward([roles.reference], batch) if use_ref else None
+            ref_logp = _forward(roles.reference, batch) if use_ref else None  # its ranks (placement.Roles)
             t_ref = time.perf_counter() - t0
             # On-policy, one optimizer step per rollout and no KL term: the learners' own first forward runs on
             # the old weights (no update has happened yet), so they take old_logp = logp.detach() there and the

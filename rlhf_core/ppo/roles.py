@@ -72,14 +72,130 @@ def critic_values(model, batch: dict) -> torch.Tensor:
     return model.score(h).squeeze(-1)[:, :-1].float()
 
 
+def _packed(batch: dict):
+    """The rows of a right-padded batch as one packed row without padding (rlhf_core.train.batches.collate:
+    position ids restart at each sample, `doc` marks the samples), and the map back: padded (rows, cols)
+    # (M,) each <- packed column `flat` # (M,), for every column t < n_i - 1 of sample i (the last column of
+    a sample predicts the next sample's first token: it is dropped)."""
+    from rlhf_core.train import batches
+
+    lens = batch["attn"].sum(-1).tolist()
+    packed = batches.collate([batch["ids"][i, :n].tolist() for i, n in enumerate(lens)], [0] * len(lens), 0,
+                             packed=True)
+    offsets = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
+    rows = torch.cat([torch.full((n - 1,), i) for i, n in enumerate(lens)])
+    cols = torch.cat([torch.arange(n - 1) for n in lens])
+    flat = torch.cat([torch.arange(n - 1) + o for n, o in zip(lens, offsets)])
+    return packed, (rows, cols, flat)
+
+
+def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entropy: str | None = None,
+                  packing: bool = False):
+    """(log-probs of the tempered policy (kind "policy") or values ("critic") # (B, L - 1), entropy or None,
+    tokens forwarded). With `packing` (OpenRLHF's --packing_samples) the rows go through the model as one
+    packed row (no padding forwarded; the mask from rlhf_core.train.attention: flex / flash where the model
+    uses them, else a dense mask, logged once) and the outputs come back in the padded (B, L - 1) layout."""
+    if not packing:
+        tokens = batch["ids"].numel()
+        if kind == "policy":
+            return (*policy_logprobs(model, batch, temperature, entropy), tokens)
+        return critic_values(model, batch), None, tokens
+    from rlhf_core.train import attention
+
+    dev = batch["ids"].device
+    pb, (rows, cols, flat) = _packed(batch)
+    kw = attention.model_inputs(model, pb, dev)
+    rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
+    B, T = batch["ids"].shape[0], batch["ids"].shape[1] - 1
+
+    def unpack(x):  # (1, N - 1) -> (B, L - 1), zeros where a row has no token (autograd flows through)
+        return x.new_zeros(B, T).index_put((rows, cols), x[0, flat])
+
+    if kind == "critic":
+        core = getattr(model, model.base_model_prefix)
+        h = core(**kw, use_cache=False).last_hidden_state  # (1, N, H)
+        return unpack(model.score(h).squeeze(-1)[:, :-1].float()), None, pb.input_ids.numel()
+    mask = batch.get("mask")
+    pmask = torch.zeros((1, pb.input_ids.shape[1] - 1), device=dev)
+    pmask[0, flat] = mask[rows, cols].float() if mask is not None else 1.0
+    lp, ent = logprobs.token_logprobs(model, kw["input_ids"], kw["attention_mask"], pmask, temperature, entropy,
+                                      position_ids=kw["position_ids"])
+    return unpack(lp), unpack(ent) if ent is not None else None, pb.input_ids.numel()
+
+
 def _rows(batch: dict, idx) -> dict:
     return {k: v[idx] for k, v in batch.items()}
 
 
-def _micro_batches(batch: dict, size: int):
+def _trimmed(b: dict) -> dict:
+    """`b` without the columns past its longest row (ids / attn # (B, W), per-token tensors # (B, W - 1)):
+    a token-bounded micro-batch forwards only its own width."""
+    L, w = b["ids"].shape[1], int(b["attn"].sum(-1).max())
+    return {k: v[:, :w if v.shape[1] == L else w - 1] if torch.is_tensor(v) and v.dim() == 2 else v
+            for k, v in b.items()}
+
+
+def token_cost(lengths: list[int], packing: bool) -> int:
+    """Tokens one micro-batch of rows with these lengths forwards: their sum packed, rows x the longest padded."""
+    return sum(lengths) if packing else len(lengths) * max(lengths, default=0)
+
+
+def token_bounded(lengths: list[int], bound: int, packing: bool, at_least: int = 0) -> list[list[int]]:
+    """Row indices of micro-batches whose token_cost stays <= `bound` (use_dynamic_batch): first fit over
+    the rows longest first, as OpenRLHF's get_minimum_num_micro_batch_size (a row longer than the bound
+    alone); then the fullest micro-batches are halved until there are `at_least` of them (every rank of a
+    group must run the same number of forwards: ZeRO-3 gathers parameters in each)."""
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b in bins:
+            if token_cost([lengths[j] for j in b + [i]], packing) <= bound:
+                b.append(i)
+                break
+        else:
+            bins.append([i])
+    while len(bins) < at_least:
+        big = max(range(len(bins)), key=lambda k: len(bins[k]))
+        if len(bins[big]) < 2:
+            raise ValueError(f"cannot make {at_least} micro-batches of {len(lengths)} rows")
+        b = bins.pop(big)
+        bins += [b[:len(b) // 2], b[len(b) // 2:]]
+    return bins
+
+
+def _group_max(n: int) -> int:
+    """The largest `n` over this process's torch.distributed group (n itself without one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return n
+    t = torch.tensor([n])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def micro_batches(batch: dict, hp: dict, rollout: bool) -> list[list[int]]:
+    """Row indices of each micro-batch of `batch`: micro_rollout_batch_size (experience forwards, `rollout`)
+    or micro_train_batch_size rows in order; with use_dynamic_batch, token-bounded micro-batches
+    (rollout_max_tokens_per_gpu / train_max_tokens_per_gpu), as many on every rank of the group."""
     n = batch["ids"].shape[0]
-    for s in range(0, n, size or n):
-        yield {k: v[s:s + (size or n)] for k, v in batch.items()}
+    if not hp.get("use_dynamic_batch"):
+        size = hp["micro_rollout_batch_size" if rollout else "micro_train_batch_size"] or n
+        return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+    lengths = batch["attn"].sum(-1).tolist()
+    bound = hp["rollout_max_tokens_per_gpu" if rollout else "train_max_tokens_per_gpu"]
+    bins = token_bounded(lengths, bound, hp["packing_samples"])
+    return token_bounded(lengths, bound, hp["packing_samples"], _group_max(len(bins)))
+
+
+def experience(batch: dict, hp: dict, dev, fn) -> torch.Tensor:
+    """fn(micro-batch on `dev`) -> per-token outputs, over the experience micro-batches of `batch`, gathered
+    back in row order on the CPU # (B, L - 1) (token-bounded micro-batches are cut to their own width)."""
+    out = torch.zeros(batch["ids"].shape[0], batch["ids"].shape[1] - 1)  # (B, L - 1)
+    for idx in micro_batches(batch, hp, rollout=True):
+        b = to_device(_rows(batch, idx), dev)
+        o = to_host(fn(_trimmed(b) if hp["use_dynamic_batch"] else b).float())
+        out[idx, :o.shape[1]] = o
+    return out
 
 
 class Learner:
@@ -109,6 +225,10 @@ class Learner:
               "gradient_clipping": hp["max_norm"], "zero_optimization": {"stage": hp["zero_stage"]},
               "bf16": {"enabled": hp["bf16"]}, "zero_allow_untested_optimizer": True,
               "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
+        if hp["use_dynamic_batch"]:  # the learner marks each step's last micro-batch (OpenRLHF does the same)
+            ds.update(train_batch_size=self.world, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+        if hp["adam_offload"]:  # ZeRO-Offload: fp32 master weights and Adam's moments in host memory
+            ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
         model = self.load_model(model_dir, hp, ds)
         lr = hp["actor_learning_rate"] if self.kind == "policy" else hp["critic_learning_rate"]
         if hp["gradient_checkpointing"]:
@@ -126,6 +246,7 @@ class Learner:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
         self.engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)[0])
         self.module, self.device = self.engine.module, self.engine.device
+        self.forwarded_tokens = 0  # tokens through the model (padding included), for the padding count
         return self.rank
 
     def load_model(self, model_dir: str, hp: dict, ds: dict):
@@ -156,15 +277,16 @@ class Learner:
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
         """Log-probs of the tempered policy (policy) or values (critic) # (B, L - 1) of this rank's shard, before
-        the update, micro_rollout_batch_size rows at a time (OpenRLHF's experience micro-batches)."""
+        the update, in experience micro-batches (micro_batches: micro_rollout_batch_size rows, OpenRLHF's
+        experience micro-batches, or token-bounded with use_dynamic_batch)."""
         self.module.eval()
-        outs = []
-        for b in _micro_batches(batch, self.hp["micro_rollout_batch_size"]):
-            b = to_device(b, self.device)
-            out = policy_logprobs(self.module, b, self.hp["temperature"])[0] if self.kind == "policy" \
-                else critic_values(self.module, b)
-            outs.append(to_host(out.float()))
-        return torch.cat(outs)
+        return experience(batch, self.hp, self.device, lambda b: self._outputs(b)[0])
+
+    def _outputs(self, b: dict, entropy: str | None = None):
+        lp, ent, n = token_outputs(self.module, b, self.kind, self.hp["temperature"], entropy,
+                                   self.hp["packing_samples"])
+        self.forwarded_tokens += n
+        return lp, ent
 
     # ------------------------------------------------------------------ train
     def loss(self, b: dict, kl_loss_coef: float) -> tuple[torch.Tensor, dict]:
@@ -173,10 +295,10 @@ class Learner:
         hp, mask = self.hp, b["mask"]
         agg, max_len = hp["loss_agg"], hp["generate_max_len"]
         if self.kind == "critic":
-            v = critic_values(self.module, b)
+            v = self._outputs(b)[0]
             loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg)
             return loss, {"critic_loss": loss.detach()}
-        lp, ent = policy_logprobs(self.module, b, hp["temperature"], "loss" if hp["entropy_loss_coef"] else "metric")
+        lp, ent = self._outputs(b, "loss" if hp["entropy_loss_coef"] else "metric")
         reused = "old_logp" not in b  # on-policy single update: this forward is the old policy (loop.train)
         old = lp.detach() if reused else b["old_logp"]
         w = rl_math.rollout_is_weight(old, b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
@@ -197,22 +319,42 @@ class Learner:
             loss = loss - hp["entropy_loss_coef"] * rl_math.aggregate(ent, mask, agg, max_len)
         return loss, met
 
+    def _steps(self, batch: dict, order: torch.Tensor):
+        """(micro-batch, loss scale, last of its optimizer step) in training order. Fixed micro-batches:
+        micro_train_batch_size rows, DeepSpeed counts the steps and divides each loss by the accumulation steps.
+        use_dynamic_batch (OpenRLHF's replay_buffer.setup_dynamic_batch): each optimizer step's rows
+        (train_batch_size / world of them on this rank) in token-bounded micro-batches, each loss scaled by its
+        share of the step's rows, so the step's gradient is the same row-weighted sum as with fixed
+        micro-batches; the learner marks the last micro-batch as the step's boundary."""
+        hp = self.hp
+        if not hp["use_dynamic_batch"]:
+            mb = hp["micro_train_batch_size"]
+            for s in range(0, len(order), mb):
+                yield _rows(batch, order[s:s + mb]), 1.0, None
+            return
+        local = hp["train_batch_size"] // self.world
+        for s in range(0, len(order), local):
+            rows = _rows(batch, order[s:s + local])
+            mbs = micro_batches(rows, hp, rollout=False)
+            for k, idx in enumerate(mbs):
+                yield _trimmed(_rows(rows, idx)), len(idx) / rows["ids"].shape[0], k == len(mbs) - 1
+
     def train(self, batch: dict, kl_loss_coef: float) -> dict:
         """max_epochs passes over this rank's shard in micro-batches; one optimizer step per train_batch_size
-        samples over all ranks (DeepSpeed accumulates). Returns mean metrics, the trained tokens per second and
-        this rank's peak memory."""
+        samples over all ranks. Returns mean metrics, the trained tokens per second, the padding tokens
+        forwarded and this rank's peak memory."""
         hp, eng = self.hp, self.engine
         eng.train()
-        n, mb = batch["ids"].shape[0], hp["micro_train_batch_size"]
+        n = batch["ids"].shape[0]
         g = torch.Generator().manual_seed(hp["seed"] + int(eng.global_steps))
         sums: dict[str, float] = {}
-        count, tokens, t0 = 0, 0, time.perf_counter()
+        count, tokens, t0, forwarded = 0, 0, time.perf_counter(), self.forwarded_tokens
         for _ in range(hp["max_epochs"]):
-            order = torch.randperm(n, generator=g)
-            for s in range(0, n, mb):
-                b = _rows(batch, order[s:s + mb])
+            for b, scale, boundary in self._steps(batch, torch.randperm(n, generator=g)):
                 loss, met = self.loss(b, kl_loss_coef)
-                eng.backward(loss)
+                if boundary is not None:
+                    eng.set_gradient_accumulation_boundary(boundary)
+                eng.backward(loss * scale if scale != 1.0 else loss)
                 eng.step()
                 for k, val in met.items():
                     sums[k] = sums.get(k, 0.0) + float(val)
@@ -221,8 +363,18 @@ class Learner:
         out = {k: v / max(1, count) for k, v in sums.items()}
         out[f"{self.kind}_lr"] = eng.get_lr()[0]
         out[f"{self.kind}_tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
+        out[f"{self.kind}_padding_tokens"] = self.forwarded_tokens - forwarded - tokens
         out[f"{self.kind}_peak_mem_gb"] = peak_memory_gb()
         return out
+
+    # ------------------------------------------------------------------ the hybrid engine
+    def sleep(self) -> None:
+        """deepspeed_enable_sleep: parameters, gradients and optimizer states to host memory while the engines
+        generate (DeepSpeed's offload_states; OpenRLHF's --deepspeed_enable_sleep)."""
+        self.engine.offload_states()
+
+    def wake_up(self) -> None:
+        self.engine.reload_states()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _gathered(self):
@@ -259,21 +411,73 @@ class Learner:
 
 
 class Reference:
-    """The frozen reference policy: per-token log-probs of the tempered policy only (in bf16 with `bf16`)."""
+    """The frozen reference policy: per-token log-probs of the tempered policy only (in bf16 with `bf16`).
 
-    def __init__(self, model_dir: str, hp: dict):
+    One rank (ref_num_nodes x ref_num_gpus_per_node = 1) holds the whole model. Several ranks are ZeRO-3
+    inference ranks (OpenRLHF's reference under --zero_stage 3): their own torch.distributed group, each
+    parameter partitioned across them (built inside zero.Init, no optimizer), each rank forwarding its shard
+    of the batch while gathering each layer's parameters from the others, so every rank runs the same number
+    of micro-batches (micro_batches syncs the count). Several ranks start in `setup`, once the driver knows
+    rank 0's address; one rank loads here. ref_reward_offload: between forwards the weights wait in host
+    memory (one rank: the model moves; ZeRO-3: DeepSpeed's offload_param to the CPU)."""
+
+    def __init__(self, model_dir: str, hp: dict, rank: int = 0, world: int = 1):
+        self.hp, self.device, self.rank, self.world = hp, device(), rank, world
+        self.model_dir = node_store.local_model(model_dir)
+        self.dtype = torch.bfloat16 if hp["bf16"] else torch.float32
+        if world == 1:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, use_safetensors=True)
+            self.model.to("cpu" if self._offload() else self.device).eval()
+
+    def _offload(self) -> bool:
+        return bool(self.hp.get("ref_reward_offload")) and self.device.type == "cuda"
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the reference group and load this rank's partition of every parameter (world > 1)."""
+        import deepspeed
+        import deepspeed.ops
         from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
 
-        self.hp, self.device = hp, device()
-        model_dir = node_store.local_model(model_dir)
-        dtype = torch.bfloat16 if hp["bf16"] else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
-        self.model.to(self.device).eval()
+        cuda = self.device.type == "cuda"
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0") if cuda else "0")
+        if not cuda:
+            deepspeed.ops.__dict__["__compatible_ops__"] = {}  # skip the 60-80 s shm op build (ENV-NOTES)
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        zero = {"stage": 3, **({"offload_param": {"device": "cpu", "pin_memory": True}} if self._offload() else {})}
+        ds = {"train_batch_size": self.world, "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+              "bf16": {"enabled": self.hp["bf16"]}, "steps_per_print": 10 ** 9}
+        keep = HfDeepSpeedConfig(ds)  # noqa: F841  from_pretrained builds inside zero.Init while it lives
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, use_safetensors=True)
+        del keep
+        self.model = deepspeed.initialize(model=model, config=ds)[0].module.eval()
+        return self.rank
+
+    def param_elements(self) -> int:
+        """Parameter elements this rank holds (its ZeRO-3 partitions, else every parameter)."""
+        return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.model.parameters())
 
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()
 
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
-        return torch.cat([to_host(policy_logprobs(self.model, to_device(b, self.device), self.hp["temperature"])[0])
-                          for b in _micro_batches(batch, self.hp["micro_rollout_batch_size"])])
+        """Log-probs # (B, L - 1) of this rank's shard of the batch, in experience micro-batches."""
+        moved = self._offload() and self.world == 1
+        if moved:
+            self.model.to(self.device)
+        hp = self.hp
+        out = experience(batch, hp, self.device, lambda b: token_outputs(self.model, b, "policy", hp["temperature"],
+                                                                          packing=hp["packing_samples"])[0])
+        if moved:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return out

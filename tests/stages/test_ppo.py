@@ -224,7 +224,8 @@ def test_async_grpo_learns_on_stale_rollouts_with_the_reference_beside_the_actor
 def test_colocation_flags_share_placement_group_bundles(flags, expected):
     from rlhf_core.ppo.placement import bundle_plan
 
-    cfg = ppo.Config(policy_uri="p", prompts_uri="q", output_uri="o", reward_model_uri="rm", vllm_num_engines=2, **flags)
+    cfg = ppo.Config(policy_uri="p", prompts_uri="q", output_uri="o", reward_model_uri="rm", vllm_num_engines=2,
+                     actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, micro_train_batch_size=2, **flags)
     assert dict(bundle_plan(cfg, 2, 2, True, True)) == expected
     assert bundle_plan(cfg, 2, 0, False, False)[-2:] == [("rollout0", 0 if flags.get("colocate_all_models") else 2),
                                                          ("rollout1", 1 if flags.get("colocate_all_models") else 3)]
