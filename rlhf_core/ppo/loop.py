@@ -2,10 +2,15 @@
     rollout (`rollout`: n episodes per prompt through the agent executor, rlhf_core.agent, token ids + per-token
     log-probs + action mask; the reward source or the agent's rewards; dynamic sampling) -> reference log-probs (when a
     KL term is used) -> critic values (gae) -> old log-probs -> advantages (rl_math) -> critic and policy
-    updates (max_epochs passes, DeepSpeed) -> weight sync into the rollout engines through Ray's object store
+    updates (max_epochs passes, DeepSpeed) -> weight sync into the rollout engines (rlhf_core.ppo.weight_sync)
 and every `save_steps` a checkpoint to the store (actor, critic, optimizers, schedulers, KL controller,
-reward statistics, prompt position). Every random draw is seeded from (seed, step), so a resumed run draws
-what the uninterrupted run would have drawn.
+reward statistics, prompt position, and with async_train the rollouts generated ahead and not yet trained on).
+Every random draw is seeded from (seed, step) and async rollouts use a fixed weights version (RolloutFeed), so
+a resumed run trains on exactly the batches the uninterrupted run would have.
+
+No shared disk (rlhf_core.ppo.node_store): the roles read their models from the store into their own node's
+cache, each learner rank uploads its own checkpoint files and the driver commits the checkpoint once all
+returned; policy rank 0 uploads the final model under the output prefix and the stage commits from the store.
 
 Prompts are visited in a per-episode permutation, rollout_batch_size at a time (a remainder smaller than a
 batch is left out of that episode, like a drop_last data loader). `cfg` is the ppo stage's config (read by
@@ -23,6 +28,8 @@ from pathlib import Path
 import torch
 
 from rlhf_core import rl_math
+from rlhf_core import model_inputs
+from rlhf_core.ppo import node_store
 from rlhf_core.ppo.feed import RolloutFeed
 from rlhf_core.ppo.placement import Roles
 from rlhf_core.ppo.roles import peak_memory_gb
@@ -225,10 +232,14 @@ def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
 
 
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, tok, dirs: dict, reward_spec,
-          work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None) -> dict:
-    """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` holds local
-    folders: policy, critic (gae) or None, reference (KL term) or None, reward_model or None. `tok` is the
-    policy's tokenizer; `agent_cls` the agent file's AgentInstance (None: single turn)."""
+          work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None,
+          writer=None) -> dict:
+    """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` names the
+    models (a local folder, or a committed artifact / plain HF folder URI each role fetches into its own node's
+    cache): policy, critic (gae) or None, reference (KL term) or None, reward_model or None. `tok` is the
+    policy's tokenizer; `agent_cls` the agent file's AgentInstance (None: single turn). `work`: the driver's own
+    scratch folder. The trained model goes to `writer` (the stage's store.ArtifactWriter): uploaded by policy
+    rank 0, its files recorded in the writer; the caller commits."""
     from rlhf_core.generation import _ray_up
 
     R, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
@@ -238,9 +249,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     hp = learner_settings(cfg)
     state = State(kl_coef=cfg.init_kl_coef)
     work.mkdir(parents=True, exist_ok=True)
-    # the newest checkpoint whose every sha256 verifies; a corrupt one is logged and passed over
-    meta, local = checkpoints.resume_point(ckpt_uri, fingerprint, work / "resume", storage_options)
-    weights = sum(f.stat().st_size for f in Path(dirs["policy"]).glob("*.safetensors"))
+    weights = sum(f["size"] for f in model_inputs.model_manifest(dirs["policy"], storage_options).files
+                  if f["path"].endswith(".safetensors"))
+    node_store.use_store(storage_options)  # every actor gets the store's options (node_store.actor_env)
     started = _ray_up(cfg.ray_address, object_store_bytes=3 * weights)  # room for the synced state dict
     roles = feed = None
     try:
@@ -248,12 +259,20 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
 
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
                       max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec)
+        # the newest checkpoint whose every sha256 verifies, each rank checking the files it downloads into its
+        # own node's cache; a corrupt one is logged and passed over before any rank loads
+        meta, local = checkpoints.resume_point(ckpt_uri, fingerprint, work / "resume", storage_options,
+                                               lambda m: _fetch_checkpoint(roles, m, work / "resume", storage_options))
+        restored = {}
         if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
-            ray.get([a.load_checkpoint.remote(str(local / "actor"), meta["tag"]) for a in roles.policy] +
-                    [a.load_checkpoint.remote(str(local / "critic"), meta["tag"]) for a in roles.critic])
+            ray.get([a.load_checkpoint.remote(meta) for a in roles.policy + roles.critic])
             state = State(**json.loads((local / "state.json").read_text()))
+            if (local / "rollouts.pt").exists():
+                restored = torch.load(local / "rollouts.pt", weights_only=True)
             roles.weights.sync()
-            log.info("ppo: resumed from %s at step %d of %d", meta["uri"], state.step, total)
+            log.info("ppo: resumed from %s at step %d of %d%s", meta["uri"], state.step, total,
+                     f"; the rollouts of steps {[s + 1 for s in sorted(restored)]} generated before the checkpoint "
+                     f"and not yet trained on are restored, not regenerated" if restored else "")
         resumed_from = state.step
         kl_ctl = rl_math.KLController(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
         moments = rl_math.RunningMoments(**state.moments) if state.moments else rl_math.RunningMoments()
@@ -270,7 +289,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
 
         feed = RolloutFeed(cfg, lambda s, i: rollout(cfg, roles, prompts, prompt_ids, i, s, tok, pad_id, reward_spec,
                                                      agent_cls, where_of(s)),
-                           [(s, prompts_of(s)) for s in range(state.step, total)])
+                           [(s, prompts_of(s)) for s in range(state.step, total)], state.step, restored)
         for step in range(state.step, total):
             t_step = time.perf_counter()
             episode, k = divmod(step, per_episode)
@@ -322,6 +341,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 metrics.update(_train(roles.policy, exp, kl_ctl.value))
             t_train = time.perf_counter() - t0
             roles.phase("sync")
+            feed.before_sync(step)  # async: the rollout that needs the weights before this update is done
             t_sync = roles.weights.sync() if actor_trained else 0.0
             feed.synced(step)
             seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
@@ -347,12 +367,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < total:
                 state.kl_coef = kl_ctl.value
                 state.moments = {"mean": moments.mean, "m2": moments.m2, "count": moments.count}
-                _checkpoint(roles, state, work, ckpt_uri, fingerprint, cfg.max_ckpt_num, storage_options)
-        out_dir = work / "model"
-        shutil.rmtree(out_dir, ignore_errors=True)
-        ray.get([a.save_model.remote(str(out_dir)) for a in roles.policy])
-        if roles.critic and cfg.save_value_network:
-            ray.get([a.save_model.remote(str(out_dir / "critic")) for a in roles.critic])
+                _checkpoint(roles, state, work, ckpt_uri, fingerprint, cfg.max_ckpt_num, storage_options,
+                            feed.pending(state.step))
+        _save_model(roles, writer, cfg.save_value_network)
         return {"history": state.history, "steps_done": state.step, "planned_steps": total,
                 "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
                 "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
@@ -373,16 +390,52 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
 
 
 def _checkpoint(roles: Roles, state: State, work: Path, ckpt_uri: str, fingerprint: str, keep: int,
-                storage_options: dict | None) -> None:
+                storage_options: dict | None, pending: dict | None = None) -> None:
+    """Every learner rank uploads its own files (actor/, critic/); the driver its own (state.json, and the
+    rollouts generated ahead and not yet trained on: rollouts.pt), then commits the marker naming them all."""
     import ray
 
     tag = f"step-{state.step}"
-    local = work / "ckpt" / tag
+    files = [f for part in ray.get([a.save_checkpoint.remote(ckpt_uri, tag) for a in roles.policy + roles.critic])
+             for f in part]
+    local = work / "ckpt"
     shutil.rmtree(local, ignore_errors=True)
-    ray.get([a.save_checkpoint.remote(str(local / "actor"), tag) for a in roles.policy] +
-            [a.save_checkpoint.remote(str(local / "critic"), tag) for a in roles.critic])
+    local.mkdir(parents=True)
     (local / "state.json").write_text(json.dumps(state.__dict__))
-    checkpoints.upload(local, ckpt_uri, tag, fingerprint, {"step": state.step}, storage_options, keep_last=keep)
+    if pending:
+        torch.save(pending, local / "rollouts.pt")
+    files += checkpoints.upload_files(local, ckpt_uri, tag, storage_options)
+    checkpoints.commit(ckpt_uri, tag, fingerprint, files, {"step": state.step}, storage_options, keep)
     shutil.rmtree(local, ignore_errors=True)
-    log.info("ppo: checkpoint %s uploaded", tag)
+    log.info("ppo: checkpoint %s committed%s", tag, f" with the rollouts of steps {[s + 1 for s in sorted(pending)]}"
+             if pending else "")
+
+
+def _fetch_checkpoint(roles: Roles, meta: dict, local: Path, storage_options: dict | None) -> Path:
+    """The driver's files of checkpoint `meta` into `local`; every learner rank's own into its node's cache. Each
+    file's sha256 is checked where it lands; a corrupt one raises CheckpointError (naming it) before any loads."""
+    import ray
+
+    mine = [f for f in meta["files"] if f["path"].split("/", 1)[0] not in ("actor", "critic")]
+    dest = checkpoints.download({**meta, "files": mine}, local, storage_options)
+    errors = [e for e in ray.get([a.load_checkpoint.remote(meta, fetch=True) for a in roles.policy + roles.critic]) if e]
+    if errors:
+        raise checkpoints.CheckpointError(errors[0], meta["tag"])
+    return dest
+
+
+def _save_model(roles: Roles, writer, save_critic: bool) -> None:
+    """The trained policy (and critic under critic/) uploaded by rank 0 of its group under the writer's prefix,
+    names noted in the artifact's journal before the upload; the files recorded in the writer for its commit."""
+    import ray
+
+    groups = [("", roles.policy)] + ([("critic", roles.critic)] if roles.critic and save_critic else [])
+    names = set()
+    for sub, group in groups:
+        rel = ray.get([a.save_model.remote(writer.uri, sub) for a in group])[0]
+        names |= {sub} if sub else {n.split("/", 1)[0] for n in rel}
+    writer._note(names)
+    for sub, group in groups:
+        files = ray.get(group[0].save_model.remote(writer.uri, sub, upload=True))
+        writer.files = [f for f in writer.files if f["path"] not in {g["path"] for g in files}] + files
 

@@ -1,34 +1,171 @@
-"""Each node's own copy of what the roles read and write: models fetched from the store into this node's cache,
-checkpoint shards and the final model written by the ranks that hold them.
+"""Each node's own copy of what the roles read and write, so that no two nodes share a path (multi-node without a
+shared disk, as the training jobs of rlhf_core.train.entry):
 
-Today: paths are the driver's local paths (a single machine, or a shared disk).
+  models       every role fetches its model from the store (a committed artifact or a plain HF folder on any URI)
+               into its own node's cache (RLHF_FLOWS_CACHE), once per node (rlhf_core.model_inputs, keyed by
+               content), its files checked against the model's manifest; a local folder is used in place.
+  checkpoints  every learner rank saves its own DeepSpeed files (rank 0 the module states, every rank its ZeRO
+               shard) into its node's cache and uploads them itself to `{ckpt_uri}/{tag}/{actor|critic}/`; the
+               driver commits the marker naming every rank's files (rlhf_core.train.checkpoints.commit) only after
+               all uploads returned. On resume every rank downloads its group's files into its own cache and
+               verifies their sha256 before any rank loads.
+  final model  every rank takes part in the gather, rank 0 writes the HF folder into its node's cache and, once
+               the driver has noted the names in the artifact's journal, uploads it under the stage's output
+               prefix; the stage commits from the store (the driver never holds a copy).
+
+The driver passes the store's options (never secrets: store.check_no_secrets) and its run lock's fence to every
+actor through `actor_env`. RLHF_FLOWS_ROLE_CACHES=<dir> in the driver's environment gives each role's actor its
+own cache folder <dir>/<role> on one machine: what separate nodes would have (the tests show nothing crosses).
 """
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+OPTIONS_ENV = "RLHF_FLOWS_STORAGE_OPTIONS"
+ROLE_ENV = "RLHF_FLOWS_ROLE"
+ROLE_CACHES_ENV = "RLHF_FLOWS_ROLE_CACHES"
+_options: dict = {}  # the run's storage options, set by the driver (`use_store`) before the actors start
+
+
+def use_store(storage_options: dict | None) -> None:
+    """The driver's storage options, handed to every actor started from now on (`actor_env`)."""
+    global _options
+    _options = dict(storage_options or {})
 
 
 def actor_env(role: str) -> dict:
     """Environment variables of the Ray actor of `role` ("policy0", "critic1", "reference", "reward", "rollout0"
-    ...: placement.bundle_plan's names), beside the placement's own."""
-    return {}
+    ...: placement.bundle_plan's names), beside the placement's own: the store's options, the run lock's fence
+    (actors on other nodes do not inherit the driver's environment) and, with RLHF_FLOWS_ROLE_CACHES, the
+    role's own cache folder."""
+    from rlhf_core import store
+
+    env = {ROLE_ENV: role, OPTIONS_ENV: json.dumps(_options)}
+    if os.environ.get(store.FENCE_ENV):
+        env[store.FENCE_ENV] = os.environ[store.FENCE_ENV]
+    if os.environ.get(ROLE_CACHES_ENV):
+        env["RLHF_FLOWS_CACHE"] = str(Path(os.environ[ROLE_CACHES_ENV]) / role)
+    return env
+
+
+def storage_options() -> dict:
+    """The run's storage options in an actor (the driver's own in the driver)."""
+    return json.loads(os.environ[OPTIONS_ENV]) if os.environ.get(OPTIONS_ENV) else dict(_options)
+
+
+def _where() -> str:
+    import socket
+
+    return f"{os.environ.get(ROLE_ENV, 'driver')} on {socket.gethostname()}"
 
 
 def local_model(src: str) -> str:
-    """A local folder holding the model `src` names, on this node."""
-    return src
+    """A local folder holding the model `src` names (a local folder, or a committed artifact / plain HF folder
+    URI), in this node's cache; a store this node cannot read is named with the role and the host."""
+    from rlhf_core import model_inputs, models, store
+
+    if Path(str(src)).is_dir() and not (Path(src) / store.MANIFEST).exists():
+        return str(src)  # a plain local folder: used in place (a committed one may need its adapter merged)
+
+    so = storage_options()
+    try:
+        m = model_inputs.model_manifest(src, so)
+        local = model_inputs.fetch_model(src, so, manifest=m)
+    except models.ModelInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a node without a route to the store: say which node
+        raise RuntimeError(f"{_where()} cannot fetch the model {src} from the store: {type(e).__name__}: {e}") from None
+    for f in m.files:  # a cut download (or a cache entry edited by hand) is not loaded
+        p = Path(local) / f["path"]
+        if f.get("size") is not None and (not p.is_file() or p.stat().st_size != f["size"]):
+            raise models.ModelInputError(f"{_where()}: {p} does not match {src} ({f['path']}: expected "
+                                         f"{f['size']} bytes): delete that cache entry")
+    return str(local)
 
 
-def save_checkpoint(learner, root: str, tag: str) -> None:
-    learner.engine.save_checkpoint(root, tag=tag)
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _rank_dir(learner, what: str, key: str) -> Path:
+    """This rank's scratch folder in its node's cache (nothing of another rank or node is there)."""
+    from rlhf_core import store
+
+    h = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return store.cache_root() / "ppo-nodes" / h / f"{what}-{learner.kind}{learner.rank}"
 
 
-def load_checkpoint(learner, root: str, tag: str) -> None:
-    learner.engine.load_checkpoint(root, tag=tag)
+def _group(learner) -> str:
+    return "actor" if learner.kind == "policy" else "critic"
 
 
-def save_model(learner, out_dir: str) -> None:
+def save_checkpoint(learner, ckpt_uri: str, tag: str) -> list[dict]:
+    """Save this rank's DeepSpeed files into its node's cache, upload them to `{ckpt_uri}/{tag}/{group}/{tag}/`;
+    returns their marker entries (path, size, sha256) for the driver's commit. Every rank of the group calls it
+    (DeepSpeed's save is collective)."""
+    from rlhf_core.train import checkpoints
+
+    local = _rank_dir(learner, "ckpt", ckpt_uri)
+    shutil.rmtree(local, ignore_errors=True)
+    learner.engine.save_checkpoint(str(local / _group(learner)), tag=tag, save_latest=False)
+    try:
+        return checkpoints.upload_files(local, ckpt_uri, tag, storage_options())
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def load_checkpoint(learner, meta: dict, fetch: bool = False) -> str | None:
+    """Two calls, each on every rank. fetch=True: download this rank's group's files of the checkpoint `meta`
+    (checkpoints.latest's) into its node's cache and verify each sha256; returns None, or the CheckpointError
+    message of a corrupt file (the driver then passes over that checkpoint: no rank loads anything until every
+    rank's files verified). fetch=False: load what the fetch brought, then drop it."""
+    from rlhf_core.train import checkpoints
+
+    local = _rank_dir(learner, "resume", meta["uri"])
+    if fetch:
+        shutil.rmtree(local, ignore_errors=True)
+        mine = [f for f in meta["files"] if f["path"].startswith(_group(learner) + "/")]
+        try:
+            checkpoints.download({**meta, "files": mine}, local, storage_options())
+        except checkpoints.CheckpointError as e:
+            shutil.rmtree(local, ignore_errors=True)
+            return str(e)
+        return None
+    learner.engine.load_checkpoint(str(local / meta["tag"] / _group(learner)), tag=meta["tag"])
+    shutil.rmtree(local, ignore_errors=True)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- final model
+def save_model(learner, out_uri: str, sub: str = "", upload: bool = False) -> list:
+    """The trained model as an HF folder under `out_uri`/`sub`, in two calls (the driver notes the names in the
+    artifact's journal between them, so a crash mid-upload leaves files the rerun knows as its own):
+    upload=False: every rank gathers (ZeRO-3), rank 0 writes the folder into its node's cache and returns the
+    relative file names; upload=True: rank 0 uploads that folder, returns [{"path", "size"}] and drops it."""
+    from rlhf_core import store
+
+    local = _rank_dir(learner, "model", f"{out_uri}/{sub}")
+    if upload:
+        if learner.rank != 0:
+            return []
+        fs, root = store.filesystem(out_uri, storage_options())
+        files = []
+        for p in sorted(local.rglob("*")):
+            if p.is_file():
+                rel = "/".join(x for x in (sub, p.relative_to(local).as_posix()) if x)
+                store.check_fence()
+                fs.makedirs(fs._parent(store.join(root, rel)), exist_ok=True)
+                fs.put_file(str(p), store.join(root, rel))
+                files.append({"path": rel, "size": p.stat().st_size})
+        shutil.rmtree(local, ignore_errors=True)
+        return files
     from transformers import AutoTokenizer
 
     sd = learner._full_state_dict()
-    if learner.rank == 0:
-        learner.engine.module.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
-        AutoTokenizer.from_pretrained(learner.model_dir).save_pretrained(out_dir)
+    if learner.rank != 0:
+        return []
+    shutil.rmtree(local, ignore_errors=True)
+    learner.engine.module.save_pretrained(str(local), state_dict=sd, safe_serialization=True)
+    AutoTokenizer.from_pretrained(learner.model_dir).save_pretrained(str(local))
+    return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())

@@ -131,10 +131,13 @@ def download(meta: dict, local_dir: str | Path, storage_options: dict | None = N
 
 
 def resume_point(root_uri: str, fingerprint: str, local_dir: str | Path,
-                 storage_options: dict | None = None) -> tuple[dict | None, Path | None]:
+                 storage_options: dict | None = None, fetch=None) -> tuple[dict | None, Path | None]:
     """The newest checkpoint that verifies (marker, sizes, every sha256), downloaded: a corrupt one is logged
     and passed over for the previous one, and with none left training starts fresh (also logged). A foreign
-    checkpoint (another job's) still stops with CheckpointError: that is a configuration mistake."""
+    checkpoint (another job's) still stops with CheckpointError: that is a configuration mistake.
+    `fetch(meta) -> Path`: how the files come down (default: all of them into `local_dir`); a job whose ranks
+    each fetch their own part (ppo's learners on their own nodes) raises CheckpointError(msg, tag) for a
+    corrupt one."""
     skip: set[str] = set()
     while True:
         try:
@@ -143,7 +146,7 @@ def resume_point(root_uri: str, fingerprint: str, local_dir: str | Path,
                 if skip:
                     log.warning("no intact checkpoint left under %s: training from scratch", root_uri)
                 return None, None
-            return meta, download(meta, local_dir, storage_options)
+            return meta, (fetch or (lambda m: download(m, local_dir, storage_options)))(meta)
         except CheckpointError as e:
             if e.tag is None:
                 raise
