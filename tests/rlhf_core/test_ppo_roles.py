@@ -255,3 +255,98 @@ def test_one_rank_without_zero_skips_the_gradient_allreduce_and_still_trains(tin
     assert learner.engine.global_steps == 1 and metrics["policy_loss"] == metrics["policy_loss"]
     matrices = [k for k in before if before[k].dim() == 2]
     assert all(not torch.equal(before[k], after[k]) for k in matrices)
+
+
+# ---------------------------------------------------------------------------------------------- throughput flags
+def ragged(B: int = 6) -> dict:
+    """A batch whose rows differ in length (prompts 3-7, responses 2-9 tokens): padding to pack away."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (3 + i % 5,), generator=g).tolist() for i in range(B)]
+    resp = [torch.randint(3, 300, (2 + (3 * i) % 8,), generator=g).tolist() for i in range(B)]
+    b = loop.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
+    T = b["mask"].shape
+    b.update(old_logp=torch.full(T, -1.0), adv=torch.randn(T, generator=g), ref_logp=torch.full(T, -1.1),
+             old_values=torch.zeros(T), returns=torch.ones(T))
+    return b
+
+
+def grads(learner) -> dict:
+    return {n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["policy", "critic"])
+def test_packing_samples_gives_the_padded_outputs_loss_and_gradients_without_padding(tiny, learner_env, kind):
+    """packing_samples: the rows go through the model as one packed row (per-sample position ids, the dense
+    document mask on CPU) and come back in the (B, L - 1) layout: log-probs / values equal the padded forward's
+    (atol 1e-5, fp32), and so do the loss and every gradient (atol 1e-5); the padded forward sends B x L tokens
+    through the model, the packed one only the real tokens (its padding count is 0)."""
+    model_dir = tiny.policy_dir if kind == "policy" else tiny.reward_dir
+    over = dict(advantage_estimator="gae", reward_model_uri="rm", reward_func_path=None, n_samples_per_prompt=1,
+                rollout_batch_size=6, train_batch_size=6, micro_train_batch_size=6, use_kl_loss=True)
+    plain, packed = (make_learner(kind, model_dir, settings(**over, packing_samples=p)) for p in (False, True))
+    batch = ragged()
+    mask, real = batch["mask"], int(batch["attn"].sum())
+    out_plain, out_packed = plain.forward(batch), packed.forward(batch)
+    assert packed.forwarded_tokens == real < plain.forwarded_tokens == batch["ids"].numel()
+    rel = mask if kind == "policy" else batch["attn"][:, 1:].float()  # values of every real state count
+    assert torch.allclose(out_plain * rel, out_packed * rel, atol=1e-5) and float((out_plain * rel).abs().sum()) > 0
+    losses_ = []
+    for learner in (plain, packed):
+        learner.engine.train()
+        loss, _ = learner.loss(batch, kl_loss_coef=0.1)
+        learner.engine.backward(loss)
+        losses_.append(float(loss))
+    assert abs(losses_[0] - losses_[1]) < 1e-5
+    g0, g1 = grads(plain), grads(packed)
+    assert g0.keys() == g1.keys() and len(g0) > 4
+    assert all(torch.allclose(g0[k], g1[k], atol=1e-5) for k in g0)
+    metrics = packed.train(batch, 0.1)
+    assert metrics[f"{kind}_padding_tokens"] == 0 < plain.train(batch, 0.1)[f"{kind}_padding_tokens"]
+
+
+def test_dynamic_batch_bounds_tokens_per_micro_batch_and_steps_as_the_fixed_micro_batches(tiny, learner_env):
+    """use_dynamic_batch: every micro-batch forwards at most train_max_tokens_per_gpu tokens (rows x their
+    longest, padded; the sum, packed) and a bound below a row alone leaves it alone; one optimizer step over
+    token-bounded micro-batches (each loss scaled by its share of the step's rows, OpenRLHF's
+    dynamic_sample_loss_scale) leaves the same weights as fixed 2-row micro-batches (loss_agg sequence: a
+    per-sample mean, so the grouping does not change the loss; atol 1e-6 after one Adam step of lr 1e-3)."""
+    from rlhf_core.ppo.roles import micro_batches, token_cost
+
+    batch = ragged()
+    lengths = batch["attn"].sum(-1).tolist()
+    for packing in (False, True):
+        for bound in (12, 25, 40):
+            hp = settings(use_dynamic_batch=True, train_max_tokens_per_gpu=bound, packing_samples=packing)
+            mbs = micro_batches(batch, hp, rollout=False)
+            assert sorted(i for m in mbs for i in m) == list(range(6))
+            assert all(token_cost([lengths[i] for i in m], packing) <= bound or len(m) == 1 for m in mbs)
+            assert len(mbs) > 1
+    over = dict(n_samples_per_prompt=3, train_batch_size=6, micro_train_batch_size=2, loss_agg="sequence",
+                actor_learning_rate=1e-3, lr_warmup_ratio=0.0)
+    fixed = make_learner("policy", tiny.policy_dir, settings(**over))
+    dyn = make_learner("policy", tiny.policy_dir, settings(**over, use_dynamic_batch=True, train_max_tokens_per_gpu=60))
+    sizes = [len(m) for m in micro_batches(batch, dyn.hp, rollout=False)]
+    assert sorted(sizes) == [2, 4]  # the token bound groups the rows otherwise than 3 x 2
+    fixed.train(batch, 0.0)
+    dyn.train(batch, 0.0)
+    assert fixed.engine.global_steps == dyn.engine.global_steps == 1
+    a, b = fixed._full_state_dict(), dyn._full_state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    start = make_learner("policy", tiny.policy_dir, settings(**over))._full_state_dict()
+    assert any(not torch.allclose(a[k], start[k], atol=1e-4) for k in a)  # the step moved the weights
+
+
+def test_adam_offload_runs_zero_offload_and_steps_as_without_it(tiny, learner_env):
+    """adam_offload: ZeRO's offload_optimizer (device cpu) is active in the engine (DeepSpeed's ZeRO-Offload path:
+    fp32 master weights and Adam's moments in separate host buffers, which on this CPU-only host is where the
+    GPU run keeps them too), and one step leaves the weights of the step without it (atol 1e-6)."""
+    over = dict(zero_stage=2, actor_learning_rate=1e-3, lr_warmup_ratio=0.0)
+    plain = make_learner("policy", tiny.policy_dir, settings(**over))
+    off = make_learner("policy", tiny.policy_dir, settings(**over, adam_offload=True))
+    assert off.engine.zero_cpu_offload() and off.engine.optimizer.cpu_offload
+    assert not plain.engine.zero_cpu_offload()
+    batch = experience(tiny.policy_dir)
+    plain.train(batch, 0.0)
+    off.train(batch, 0.0)
+    a, b = plain._full_state_dict(), off._full_state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
