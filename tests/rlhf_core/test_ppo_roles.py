@@ -350,3 +350,35 @@ def test_adam_offload_runs_zero_offload_and_steps_as_without_it(tiny, learner_en
     off.train(batch, 0.0)
     a, b = plain._full_state_dict(), off._full_state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def _reference_rank(rank: int, world: int, port: int, model_dir: str, hp: dict, batch: dict, out: str) -> None:
+    """One ZeRO-3 reference rank in a spawned process: its shard of the batch and its partition size."""
+    torch.set_num_threads(1)
+    ref = Reference(model_dir, hp, rank, world)
+    ref.setup("127.0.0.1", port)
+    n = batch["ids"].shape[0] // world
+    lp = ref.forward({k: v[rank * n:(rank + 1) * n] for k, v in batch.items()})
+    torch.save({"logp": lp, "elements": ref.param_elements()}, f"{out}/rank{rank}.pt")
+
+
+def test_two_zero3_reference_ranks_give_the_one_rank_logprobs_each_holding_half(tiny, tmp_path):
+    """ref_num_gpus_per_node 2: two Reference ranks (spawned processes, a gloo group, ZeRO-3 without an
+    optimizer) each forward half the batch in token-bounded micro-batches of different counts per rank
+    (use_dynamic_batch: the count is synced, the fuller rank's bins are split), gathering each layer from the
+    other: the concatenated log-probs equal the single unsharded reference's (atol 1e-5, fp32), and each rank
+    holds about half the parameter elements (ZeRO-3 pads each partition: within 1% of half)."""
+    import torch.multiprocessing as mp
+
+    from rlhf_core.jobs import free_port
+
+    hp = settings(temperature=0.7, use_dynamic_batch=True, rollout_max_tokens_per_gpu=20)  # rank 0: 3 micro-batches, rank 1: 4
+    batch = ragged(8)
+    whole = Reference(str(tiny.policy_dir), hp)
+    expected, total = whole.forward(batch), whole.param_elements()
+    mp.spawn(_reference_rank, args=(2, free_port(), str(tiny.policy_dir), hp, batch, str(tmp_path)), nprocs=2)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    got = torch.cat([p["logp"] for p in parts])
+    mask = batch["mask"]
+    assert torch.allclose(got * mask, expected * mask, atol=1e-5) and float((expected * mask).abs().sum()) > 0
+    assert all(abs(p["elements"] - total / 2) < 0.01 * total for p in parts), ([p["elements"] for p in parts], total)
