@@ -40,7 +40,10 @@ STAGE = dict(seed=42, bf16=True, gradient_checkpointing=False, actor_learning_ra
              generate_max_len=64, dual_clip=None, use_kl_loss=False, kl_estimator="k1", entropy_loss_coef=0.0,
              value_clip=0.5, reward_max_len=1024, enable_vllm_is_correction=False,
              vllm_is_truncated_threshold=(0.5, 5.0), use_icepop=False, temperature=1.0, eps_clip=0.2,
-             eps_clip_low_high=None, loss_agg=None, advantage_estimator="group_norm")
+             eps_clip_low_high=None, loss_agg=None, advantage_estimator="group_norm", deepspeed_enable_sleep=False,
+             ref_num_nodes=1, ref_num_gpus_per_node=1, ref_reward_offload=False, packing_samples=False,
+             use_dynamic_batch=False, train_max_tokens_per_gpu=16192, rollout_max_tokens_per_gpu=None,
+             adam_offload=False)
 
 
 def hp(**over) -> dict:
@@ -272,3 +275,50 @@ def test_grpo_steps_in_process_raise_the_demo_reward(tiny, learner_env):
         rewards.append(float(scores.mean()))
     print("grpo mean gold reward per step", [round(r, 3) for r in rewards])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
+
+
+# ---------------------------------------------------------------------------------------------- hybrid engine, offload
+def test_learner_sleeps_and_wakes_around_a_step(tiny, learner_env):
+    """deepspeed_enable_sleep (Roles.phase): offload_states moves the learner's parameters, gradients and ZeRO
+    optimizer states to the host (the CUDA allocator holds less afterwards), reload_states brings them back,
+    and the step after the reload leaves the same weights as the same step without sleeping (bit for bit)."""
+    settings = hp(zero_stage=2, actor_learning_rate=1e-3)
+    batch = experience()
+    ref = make_learner("policy", tiny.policy_dir, settings)
+    ref.train(batch, 0.0)
+    learner = make_learner("policy", tiny.policy_dir, settings)
+    learner.train(batch, 0.0)  # Adam's states exist from here on
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    learner.sleep()
+    torch.cuda.synchronize()
+    asleep = torch.cuda.memory_allocated()
+    learner.wake_up()
+    assert asleep < before, (asleep, before)
+    ref.train(batch, 0.0)
+    learner.train(batch, 0.0)
+    a, b = ref._full_state_dict(), learner._full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_adam_offload_keeps_the_optimizer_state_on_the_cpu(tiny, learner_env):
+    """adam_offload: after a step, ZeRO-Offload's fp32 master partitions and Adam's moments are CPU tensors
+    while the bf16 weights stay on the GPU."""
+    learner = make_learner("policy", tiny.policy_dir, hp(zero_stage=2, adam_offload=True))
+    learner.train(experience(), 0.0)
+    opt = learner.engine.optimizer
+    states = [t for st in opt.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    assert opt.cpu_offload and states and all(t.device.type == "cpu" for t in states)
+    assert all(p.device.type == "cpu" for p in opt.single_partition_of_fp32_groups)
+    assert_on_gpu_in_bf16(learner.module)
+
+
+def test_packing_on_the_gpu_matches_the_padded_forward(tiny, learner_env):
+    """packing_samples on CUDA in bf16: the packed forward's log-probs equal the padded forward's within bf16's
+    rounding (mean |difference| < 0.02 nats on the action tokens) with no padding forwarded."""
+    batch = experience()
+    plain = make_learner("policy", tiny.policy_dir, hp())
+    packed = make_learner("policy", tiny.policy_dir, hp(packing_samples=True))
+    a, b = plain.forward(batch), packed.forward(batch)
+    assert masked_mean_abs(a - b, batch["mask"]) < 0.02
+    assert packed.forwarded_tokens == int(batch["attn"].sum()) < plain.forwarded_tokens
