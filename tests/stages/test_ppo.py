@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -325,28 +326,41 @@ def test_bf16_on_a_gpu_without_bfloat16_is_refused(warm, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- resume
 @pytest.mark.slow
-def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
-    """Kill the stage's process (and its Ray) after its first checkpoint; the rerun resumes from it and ends at
-    the planned step count with every prompt used once per episode."""
+def test_sigkill_mid_run_resumes_from_store_checkpoint_without_a_shared_disk(warm, s3_root, tmp_path, monkeypatch):
+    """No shared disk (issue 23 item 3): the policy is a plain folder on S3, the output on S3, and every role's actor
+    has its own cache folder (RLHF_FLOWS_ROLE_CACHES: what separate nodes would have), the driver another. Kill
+    the stage's process (and its Ray) after its first checkpoint, delete every cache; the rerun on fresh caches
+    resumes from the store's checkpoint alone and commits, the final model uploaded by policy rank 0 (no copy on
+    the driver), every prompt used once per episode."""
     from rlhf_core.train import checkpoints
     from tests.flows.flowkit import kill_marked
 
+    policy = f"{s3_root}/policy"  # the model files only: a plain HF folder, not a committed artifact
+    fs, path = store.filesystem(policy)
+    for p in sorted(Path(warm.policy_dir).iterdir()):
+        if p.is_file() and p.name != store.MANIFEST:
+            fs.put_file(str(p), f"{path}/{p.name}")
     out = f"{s3_root}/ppo-resume"
-    cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=out, **BASE,
+    cfg = ppo.Config(policy_uri=policy, prompts_uri=warm.prompts, output_uri=out, **BASE,
                      advantage_estimator="reinforce_baseline", n_samples_per_prompt=2, actor_learning_rate=1e-4,
                      init_kl_coef=0.01, kl_target=0.1, kl_horizon=100, running_reward_norm=True, num_episodes=2,
                      save_steps=3, max_ckpt_num=2, debug_step_sleep=1.0)
     marker = f"RLHF_PPO_TEST_{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), marker: "1"}
+
+    def caches(run):
+        return {"RLHF_FLOWS_CACHE": str(tmp_path / run / "driver"), "RLHF_FLOWS_ROLE_CACHES": str(tmp_path / run / "roles")}
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), marker: "1", **caches("a")}
     code = "import sys, json; from stages import ppo; ppo.run(ppo.Config.model_validate_json(sys.argv[1]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, cfg.model_dump_json()], env=env, cwd=str(ROOT),
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(tmp_path / "run-a.log", "w") as out_log:
+        proc = subprocess.Popen([sys.executable, "-c", code, cfg.model_dump_json(exclude_defaults=True)], env=env, cwd=str(ROOT),
+                                start_new_session=True, stdout=out_log, stderr=subprocess.STDOUT)
     fs, path = store.filesystem(out)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None and not fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"):
             time.sleep(0.3)
-        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert proc.poll() is None, "the run ended before its first checkpoint:\n" + (tmp_path / "run-a.log").read_text()[-3000:]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -354,6 +368,19 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
     assert not store.committed_any(out)
     tags = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/checkpoints")]
     assert tags and all(t.startswith("step-") for t in tags)
+    marker_of = json.loads(fs.cat_file(f"{path}/checkpoints/{tags[0]}/{checkpoints.MARKER}"))
+    assert {f["path"].split("/", 1)[0] for f in marker_of["files"]} == {"actor", "state.json"}  # rank's + driver's
+    roles_a = tmp_path / "a" / "roles"
+    # each role fetched the policy into its own cache; only the learner rank wrote checkpoint files (in its own)
+    assert sorted(p.name for p in roles_a.iterdir()) == ["policy0", "reference", "rollout0"]
+    for role in ("policy0", "reference", "rollout0"):
+        assert len(list((roles_a / role / "models").glob("*/model.safetensors"))) == 1
+        assert (roles_a / role / "ppo-nodes").exists() == (role == "policy0")
+    assert not (tmp_path / "a" / "driver" / "ppo-nodes").exists()
+    shutil.rmtree(tmp_path / "a")  # every cache gone: the rerun has only the store
+
+    for k, v in caches("b").items():
+        monkeypatch.setenv(k, v)
     m = ppo.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))  # runtime field: same fingerprint
     assert 0 < m.metrics["resumed_from_step"] < 16
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 16
@@ -362,6 +389,10 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint(warm, s3_root):
         assert sorted(i for h in log if h["episode"] == e for i in h["prompt_indices"]) == list(range(64))
     assert m.metrics["final_kl_coef"] != 0.01  # the adaptive controller's state went through the checkpoint
     assert not fs.exists(f"{path}/checkpoints")
+    # committed from the store: policy rank 0 uploaded the model; the driver's cache never held it
+    assert {"model.safetensors", "config.json"} <= {f["path"] for f in m.files} and fs.exists(f"{path}/model.safetensors")
+    assert len(list((tmp_path / "b" / "driver").rglob("model.safetensors"))) == 1  # its fetched input (tokenizer)
+    assert (tmp_path / "b" / "roles" / "policy0" / "ppo-nodes").exists()  # the resume came down into rank 0's cache
 
 
 @pytest.mark.slow
