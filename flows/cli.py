@@ -7,6 +7,7 @@
     rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
     rlhf-flows gc --cache-max-gb N                         shrink this machine's model cache to N GB (LRU first)
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
+    rlhf-flows import-openrlhf FILE|- [-o OUT.yaml]        an OpenRLHF launch command or script -> stage YAML
 
 `--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
 artifact, reward, generation, job) prints one line naming what failed and exits 2; `--debug` shows the
@@ -290,6 +291,10 @@ def parser() -> argparse.ArgumentParser:
     rm.add_argument("--no-normalize-reward", dest="normalize_reward", action="store_false",
                     help="return raw scores (default: apply the model's reward_mean/reward_std)")
     rm.add_argument("--value-head-prefix", default="value_head")
+    im = sub.add_parser("import-openrlhf", parents=[debug], help="turn an OpenRLHF launch command or script (v0.9 flat "
+                        "or v0.10+ dotted flags) into the equivalent stage YAML, each key commented with its flag")
+    im.add_argument("file", help="shell script or command line (- reads stdin)")
+    im.add_argument("-o", "--output", help="write the YAML to this file (default: stdout)")
     return p
 
 
@@ -344,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "stage":
             with show_progress(a.progress_every, getattr(a, "debug", False)):
                 return cmd_stage(a.name, a.config, a.overrides)
+        if a.cmd == "import-openrlhf":
+            from flows import openrlhf_import
+
+            return openrlhf_import.main(a.file, a.output)
         if a.cmd == "serve-rm":
             from rlhf_core.serve_rm import serve
 
