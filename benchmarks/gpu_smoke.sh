@@ -52,7 +52,7 @@ print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else '
 
 # addopts emptied: the project's (-n auto --maxprocesses 2 --dist loadgroup) need pytest-xdist
 timeout -k 10 330 python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -raP -m gpu \
-  tests/rlhf_core/test_gpu_roles.py -q 2>&1 | tee "$OUT/pytest.log"
+  tests/rlhf_core/test_gpu_roles.py tests/rlhf_core/test_gpu_weight_sync.py -q 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
 timeout -k 10 230 python3 benchmarks/gpu_roles.py --device cuda 2>&1 | tee "$OUT/gpu_roles.log"

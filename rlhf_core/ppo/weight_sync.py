@@ -237,19 +237,28 @@ def send_ipc(learner, engines: list) -> int:
     """cuda_ipc: every rank walks the buckets (ZeRO-3: gathering each in turn) and hands each, by CUDA IPC
     handle, to the engines on its own GPU, waiting until they copied it (the buffer is freed after). Bytes."""
     import ray
+
+    sent = 0
+    for i, handle, nbytes in ipc_handles(learner):
+        if engines:
+            ray.get([e.receive_ipc.remote(i, handle) for e in engines])
+            sent += nbytes
+    ray.get([e.receive_ipc.remote(None) for e in engines])  # the end of this sync
+    return sent
+
+
+def ipc_handles(learner):
+    """(bucket index, CUDA IPC handle of its flat buffer, bytes) per bucket, one bucket gathered at a time; a
+    buffer lives until the next one is asked for, so the receiver copies it before asking."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    sent, named = 0, _named_params(learner)
+    named = _named_params(learner)
     for i, bucket in enumerate(learner._ws_layout):
         params = [named[n] for n, _, _ in bucket]
         with _gathered(learner, params):
-            if engines:
-                flat = torch.cat([p.data.reshape(-1) for p in params])
-                torch.cuda.synchronize()  # the copy is done before another process reads it
-                ray.get([e.receive_ipc.remote(i, reduce_tensor(flat)) for e in engines])
-                sent += flat.numel() * flat.element_size()
-    ray.get([e.receive_ipc.remote(None) for e in engines])  # the end of this sync
-    return sent
+            flat = torch.cat([p.data.reshape(-1) for p in params])  # (bucket elements,)
+            torch.cuda.synchronize()  # the copy is done before another process reads it
+            yield i, reduce_tensor(flat), flat.numel() * flat.element_size()
 
 
 def publish(learner) -> list:

