@@ -569,6 +569,10 @@ def validate(text: str, converted: list[Converted]) -> list[str]:
 def _named(err: dict, section: str, c: Converted) -> str:
     key = str(err["loc"][0]) if err["loc"] else ""
     src = c.comments.get((section, key), "").split("  ")[0]
+    if err["type"] == "missing":  # name the flag the command lacks
+        table = FLAGS["generate" if section == "generate" else "score" if section == "score" else c.module]
+        src = " / ".join(f"--{f}" for f, r in table.items() if r in (key, f"{section}.{key}")) or f"--{key}"
+        src = f"the command gives no {src}"
     return f"{section}{'.' + key if key else ''}: {err['msg']}" + (f" ({src})" if src else "")
 
 
