@@ -196,13 +196,19 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
         assert full / 2 <= n < full / 2 * 1.05
 
 @pytest.mark.slow
-def test_async_grpo_learns_on_stale_rollouts_with_the_reference_beside_the_actor(warm, tmp_path):
-    """async_train: the rollout of step k+1 is generated while step k trains, so it carries weights one update
-    old (the rollout log-prob gap is no longer ~0), and the run still completes every step and learns."""
+def test_async_grpo_learns_on_stale_rollouts_and_a_killed_run_resumes_losing_nothing(warm, tmp_path, caplog):
+    """async_train: the rollout of step k+1 is generated while step k trains, from the weights exactly one update
+    old (the rollout log-prob gap is no longer ~0), and the run still completes every step and learns. The same
+    run killed with -9 after a checkpoint (save_steps 1) and resumed trains on exactly the same batches: the
+    rollout generated ahead comes back from the checkpoint (not redrawn from the resumed policy, the bug of
+    issue 23), so every step's reward and loss and the final weights are bit-equal to the uninterrupted run's."""
+    from rlhf_core.train import checkpoints
+    from tests.flows.flowkit import kill_marked
+
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "async"), **BASE,
                      advantage_estimator="group_norm", n_samples_per_prompt=4, actor_learning_rate=5e-4,
                      init_kl_coef=0.01, use_kl_loss=True, kl_estimator="k3", async_train=True, async_queue_size=1,
-                     colocate_actor_ref=True)
+                     colocate_actor_ref=True, save_steps=1)
     m = ppo.run(cfg)
     before, after = held_out_gold(warm.policy_dir), held_out_gold(tmp_path / "async")
     log = json.loads(Path(cfg.output_uri, "training_log.json").read_text())
@@ -213,6 +219,38 @@ def test_async_grpo_learns_on_stale_rollouts_with_the_reference_beside_the_actor
     assert after > before + 0.1
     placement = m.metrics["placement"]
     assert placement["reference"] == placement["policy0"] and len(set(placement.values())) == 2  # + the engine
+
+    # the same run (another output), killed with -9 once a checkpoint is committed, then resumed
+    out = tmp_path / "async-killed"
+    killed = cfg.model_copy(update={"output_uri": str(out), "debug_step_sleep": 1.0})
+    marker = f"RLHF_PPO_TEST_{uuid.uuid4().hex[:8]}"
+    code = "import sys, json; from stages import ppo; ppo.run(ppo.Config.model_validate_json(sys.argv[1]))"
+    with open(tmp_path / "killed.log", "w") as out_log:
+        proc = subprocess.Popen([sys.executable, "-c", code, killed.model_dump_json(exclude_defaults=True)],
+                                env={**os.environ, "PYTHONPATH": str(ROOT), marker: "1"}, cwd=str(ROOT),
+                                start_new_session=True, stdout=out_log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not list(out.glob(f"checkpoints/*/{checkpoints.MARKER}")):
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its first checkpoint:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        kill_marked(marker)
+    saved = json.loads(next(out.glob(f"checkpoints/*/{checkpoints.MARKER}")).read_text())
+    assert "rollouts.pt" in {f["path"] for f in saved["files"]}  # the rollout generated ahead, with the step
+    caplog.set_level(logging.INFO, logger="rlhf_flows")
+    m2 = ppo.run(killed.model_copy(update={"debug_step_sleep": 0.0}))
+    step = m2.metrics["resumed_from_step"]
+    assert 0 < step < 8
+    assert f"the rollouts of steps [{step + 1}] generated before the checkpoint and not yet trained on are " \
+           "restored" in caplog.text
+    log2 = json.loads((out / "training_log.json").read_text())
+    for key in ("reward", "prompt_indices", "kl", "policy_loss", "rollout_logprob_gap"):
+        assert [h[key] for h in log2] == [h[key] for h in log], key  # bit-equal, every step
+    a, b = load_file(str(tmp_path / "async" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # max abs diff 0
 
 
 @pytest.mark.parametrize("flags, expected", [
