@@ -14,7 +14,7 @@ actor's process, weights reloaded in place). Every rollout runs through the agen
 file (agent_func_path, max_turns) whose rewards replace it; dynamic_filtering drops prompt groups whose mean
 score is outside dynamic_filtering_reward_range and samples more; enable_vllm_is_correction (TIS) / use_icepop
 weight the policy loss by the trainer/rollout probability ratio. async_train overlaps the rollout of step k+1
-with training on step k (weights at most async_queue_size updates old); colocate_all_models /
+with training on step k (weights exactly async_queue_size updates old; a resume loses no rollout); colocate_all_models /
 colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Every role runs
 on its own device (the GPU Ray reserved for it, else the CPU) in bf16 with `bf16`; every log-prob is of the
 tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). 
@@ -126,7 +126,9 @@ class Config(StageConfig):
     use_icepop: bool = Field(False, description="ICEPOP: zero the IS coefficient outside the threshold instead of clamping.")
     # async training and placement
     async_train: bool = Field(False, description="Generate the next batch while training on this one (--async_train); "
-                              "a batch is generated with weights at most async_queue_size updates old.")
+                              "a batch is generated with the weights exactly async_queue_size updates old (a "
+                              "fixed version, not a race), and the batches generated ahead are saved with each "
+                              "checkpoint, so a resumed run trains on the same batches.")
     async_queue_size: int = Field(1, ge=1, description="Rollouts generated ahead of training (--async_queue_size).")
     colocate_all_models: bool = Field(False, description="Every role shares the policy ranks' bundles (--colocate_all_models).")
     colocate_actor_ref: bool = Field(False, description="The reference shares policy rank 0's bundle (--colocate_actor_ref).")
