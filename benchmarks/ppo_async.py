@@ -3,8 +3,11 @@ queue 1) vs the same run synchronous: same tiny policy, prompts, GRPO settings, 
 start-up (Ray, actors) and commit are left out (median seconds per step after the first two, from the
 committed training_log.json). On 2 CPU cores the rollout actor and the learner share the cores, so the
 overlap gains only what one side leaves idle; on GPUs the engines and learners are separate devices.
+--split gives generation and training separate cores: the rollout engine's actor one OpenMP thread bound to
+core 1, the policy learner's one thread bound to core 0 (OMP_NUM_THREADS=1, OMP_PLACES, OMP_PROC_BIND through
+node_store.actor_env), the driver unbound; both modes run with the same split.
 
-    .venv/bin/python benchmarks/ppo_async.py [--steps 10]
+    .venv/bin/python benchmarks/ppo_async.py [--steps 10] [--split]
 """
 from __future__ import annotations
 
@@ -23,11 +26,29 @@ SETTINGS = dict(n_samples_per_prompt=4, rollout_batch_size=16, train_batch_size=
                 advantage_estimator="group_norm")
 
 
-def main(steps: int) -> None:
+def split_cores() -> None:
+    """Generation on core 1, training on core 0: one OpenMP thread per role, bound (libgomp binds the initial
+    thread too)."""
+    from rlhf_core.ppo import node_store
+
+    base = node_store.actor_env
+    cores = {"policy0": 0, "rollout0": 1}
+
+    def env(role: str) -> dict:
+        extra = {"OMP_NUM_THREADS": "1", "OMP_PLACES": f"{{{cores[role]}}}", "OMP_PROC_BIND": "true"} \
+            if role in cores else {}
+        return {**base(role), **extra}
+
+    node_store.actor_env = env
+
+
+def main(steps: int, split: bool) -> None:
     from rlhf_core import demo_task, tiny
     from stages import ppo
 
-    out = {"steps": steps, "settings": SETTINGS, "load_before": os.getloadavg()[0]}
+    if split:
+        split_cores()
+    out = {"steps": steps, "split": split, "settings": SETTINGS, "load_before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as d:
         policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)
         prompts = Path(d) / "prompts.jsonl"
@@ -55,4 +76,6 @@ def main(steps: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
-    main(ap.parse_args().steps)
+    ap.add_argument("--split", action="store_true", help="generation and training on separate cores")
+    args = ap.parse_args()
+    main(args.steps, args.split)
