@@ -151,3 +151,35 @@ def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
     assert (m.config["packing_samples"], m.config["gradient_checkpointing"], m.config["input_key"],
             m.config["output_key"], m.config["learning_rate"]) == (True, True, "question", "response", 5e-6)
     assert "committed at" in capsys.readouterr().out
+
+
+def test_imported_ppo_command_scaled_down_validates(tiny, tmp_path):
+    """OpenRLHF's train_ppo_ray_hybrid_engine.sh (v0.11.0) imported, scaled down to the tiny models and CPU
+    placement, loads as `rlhf-flows stage ppo --config` loads it (Config validation only: a real run of this
+    config took 73.6 s on this 2-core machine, over this file's budget). Unchanged, the file is refused on a
+    host without CUDA naming the keys its header lists."""
+    import torch
+
+    from stages import ppo
+    from stages.common import ConfigError, load_config
+
+    text, data = imported("train_ppo_ray_v0.11.0.sh")
+    raw = tmp_path / "ppo_raw.yaml"
+    raw.write_text(text)
+    refused = host_refused(text)
+    if not torch.cuda.is_available():
+        assert {k for _, k in refused} == {"vllm_enable_sleep", "vllm_tensor_parallel_size", "deepspeed_enable_sleep"}
+        with pytest.raises(ConfigError, match="vllm_enable_sleep"):
+            load_config(ppo.Config, raw, section="ppo")
+    scaled = {k: v for k, v in data["ppo"].items() if ("ppo", k) not in refused}
+    scaled = {k: v for k, v in scaled.items() if k not in ("enforce_eager", "vllm_gpu_memory_utilization", "vllm_num_engines")}
+    out = tmp_path / "ppo.yaml"
+    out.write_text(yaml.safe_dump({"ppo": scaled}))
+    cfg = load_config(ppo.Config, out, [f"policy_uri={tiny.policy_uri}", f"reward_model_uri={tiny.reward_uri}",
+                                        "prompts_uri=prompts.jsonl", f"output_uri={tmp_path / 'out'}", "rollout_backend=hf",
+                                        "actor_num_gpus_per_node=1", "critic_num_gpus_per_node=1", "ref_num_gpus_per_node=1",
+                                        "rollout_batch_size=4", "train_batch_size=4", "micro_train_batch_size=2",
+                                        "micro_rollout_batch_size=2", "max_samples=4", "bf16=false"], section="ppo")
+    assert (cfg.zero_stage, cfg.packing_samples, cfg.use_dynamic_batch, cfg.colocate_all_models, cfg.init_kl_coef,
+            cfg.critic_learning_rate, cfg.input_key, cfg.apply_chat_template, cfg.enable_vllm_is_correction) == \
+        (3, True, True, True, 0.01, 9e-6, "context_messages", True, True)
