@@ -35,6 +35,7 @@ class No(str):
 
 
 # ---------------------------------------------------------------------------------------------- the dialects
+CRITIC_OPTIM = ("lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm", "adam.betas", "adam.eps", "adam.weight_decay")
 # v0.10+ dotted flag -> the v0.9 flat flag it replaced. Flags not listed drop their `ds.` / `data.` / `train.`
 # namespace (`--ds.zero_stage` -> `--zero_stage`), `--vllm.X` becomes `--vllm_X`, `--E.num_X` `--E_num_X`.
 DOTTED = {
@@ -79,11 +80,15 @@ DOTTED = {
     "algo.advantage.is_correction_enable": "enable_vllm_is_correction",
     "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
     "algo.advantage.is_correction_type": "vllm_is_correction_type", "algo.advantage.estimator": "advantage_estimator",
-    "algo.advantage.no_std_norm": "no_advantage_std_norm", "algo.kl.target": "kl_target", "algo.kl.horizon": "kl_horizon",
+    "algo.advantage.no_std_norm": "no_advantage_std_norm", "algo.advantage.lambd": "lambd", "algo.advantage.gamma": "gamma", "algo.kl.target": "kl_target", "algo.kl.horizon": "kl_horizon",
     "algo.kl.init_coef": "init_kl_coef", "algo.kl.estimator": "kl_estimator", "algo.kl.use_loss": "use_kl_loss",
     "algo.dynamic_filtering_enable": "dynamic_filtering", "algo.dynamic_filtering_range": "dynamic_filtering_reward_range",
     "reward.normalize_enable": "normalize_reward", "reward.clip_range": "reward_clip_range",
     "ds.value_head_prefix": "value_head_prefix",
+    # train_ppo_ray's per-role optimizers: the actor's are the stage's; the critic's its own where it has one
+    **{f"critic.{k}": f"critic_{k.replace('.', '_')}" for k in CRITIC_OPTIM},
+    **{f"{role}.{k}": f"{k.replace('.', '_')}" for role in ("actor", "critic") for k in
+       ("optim", "muon.lr", "muon.momentum", "muon.ns_steps", "muon.nesterov", "muon.no_nesterov")},
 }
 
 
@@ -94,9 +99,11 @@ def flat_name(flag: str) -> str:
     if flag in DOTTED:
         return DOTTED[flag]
     head, rest = flag.split(".", 1)
-    if head in ("ds", "data", "train", "actor", "critic", "reward") and "." not in rest and not rest.startswith("num_"):
+    if "." in rest:
+        return flag  # unknown: listed as such
+    if head in ("ds", "data", "train") or (head in ("actor", "critic", "reward") and not rest.startswith("num_")):
         return rest  # --ds.zero_stage, --data.max_len, --actor.eps_clip, --critic.value_clip, --reward.overlong_buffer_len
-    if head in ("vllm", "ref", "reward", "actor", "critic"):
+    if head in ("vllm", "ref", "reward", "actor", "critic", "muon"):
         return f"{head}_{rest}"  # --vllm.num_engines -> --vllm_num_engines, --ref.num_nodes -> --ref_num_nodes
     return flag  # unknown: listed as such
 
@@ -150,6 +157,7 @@ NOT_HERE = {
     "dataset_split": No("give the split per source as URI@SPLIT"),
     "train_split": No("give the split per source as URI@SPLIT"),
     "optim": No("AdamW only (Muon is not wired)"),
+    **{f"muon_{k}": No("AdamW only (Muon is not wired)") for k in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")},
     "adam_eps": No("AdamW's eps is DeepSpeed's default 1e-8"),
     "experts_implementation": No("transformers picks the MoE experts kernel"),
 }
@@ -180,12 +188,14 @@ FLAGS: dict[str, dict[str, Any]] = {
                  "greedy_sampling": ("temperature", lambda v: 0.0), "param_dtype": ("dtype", str),
                  "eval_task": No("generate / generate_vllm: the backend key"),
                  "zero_stage": No("inference: no ZeRO"), "max_len": No("prompt_max_len and max_new_tokens cap each side"),
+                 "attn_implementation": No("the backend's attention"),
                  "max_num_seqs": No("vLLM's default batch (issue 27 item 2)"),
                  "post_processor": No("a separate stage: filter (method rs / iter_dpo / csft)"),
                  "enable_csft": No("the conditional-sft flow"), "csft_prompt": No("the conditional-sft flow")},
     "score": {**NOT_HERE, "pretrain": "reward_model_uri", "dataset": "samples_uri", "output_path": "output_uri",
               "micro_batch_size": "batch_size", "param_dtype": ("dtype", str), "eval_task": No("rm: the score stage"),
               "zero_stage": No("inference: no ZeRO"), "dataset_probs": No("one samples artifact"),
+              "attn_implementation": No("the model's default attention (sdpa)"),
               "input_key": No("samples rows are (prompt, response)"), "output_key": No("samples rows are (prompt, response)"),
               "apply_chat_template": No("samples rows hold the formatted prompt"),
               "post_processor": No("a separate stage: filter (method rs / iter_dpo / csft)"),
@@ -196,6 +206,8 @@ FLAGS: dict[str, dict[str, Any]] = {
                       "max_len": "reward_max_len", "max_new_tokens": "generate_max_len",
                       "vllm_sync_backend": ("weight_sync_backend", sync_backend),
                       "ref_offload": "ref_reward_offload",
+                      **{f"critic_{k.replace('.', '_')}": No("one setting for both roles here: the actor's")
+                         for k in CRITIC_OPTIM},
                       "reward_num_nodes": No("the reward model is one Ray actor (inference)"),
                       "reward_num_gpus_per_node": No("the reward model is one Ray actor (inference)"),
                       "vllm_sync_with_ray": No("weight_sync_backend: collective or object_store"),
