@@ -22,10 +22,19 @@ def stage(name: str):
     return importlib.import_module(f"stages.{name}")
 
 
-def stage_config(module, base: dict, **fields):
-    """module.Config from a flow's per-stage dict plus the URIs the flow wires in."""
+def settings(section) -> dict:
+    """The settings a flow's stage section holds beyond the stage's defaults (a typed section from
+    flows.common.section, or a plain dict)."""
+    if isinstance(section, dict):
+        return section
+    fields = type(section).model_fields
+    return {k: v for k, v in section.model_dump().items() if v != fields[k].get_default(call_default_factory=True)}
+
+
+def stage_config(module, base, **fields):
+    """module.Config from a flow's stage section (or dict) plus the URIs the flow wires in."""
     try:
-        return module.Config(**{**base, **fields})
+        return module.Config(**{**settings(base), **fields})
     except ValidationError as e:
         name = module.__name__.rsplit(".", 1)[-1]
         lines = [f"  {name}.{'.'.join(map(str, err['loc']))}: "

@@ -9,14 +9,16 @@ fingerprint (any machine, fresh Prefect database). Prefect's cache is a second l
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import time
-from typing import Any
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from flows import table
-from flows.calls import call, stage, stage_config
+from flows.calls import call, settings, stage, stage_config
 from flows.credentials import use_credentials
 from flows.report import Report, training_columns
 from rlhf_core import store
@@ -57,6 +59,57 @@ def demo_inputs(root: str, run_name: str, seed: int = 0, storage_options: dict |
     return uris
 
 
+# ---------------------------------------------------------------------------------------------- stage sections
+# Fields a flow sets itself, beyond output_uri, storage_options and the input URIs it wires in.
+FLOW_SET = {"prepare": ("kind", "data", "split", "tokenizer_uri"), "filter": ("method",), "generate": ("iter",)}
+# Inputs that stay the user's in a section (every other *_uri / *_path / *_url / *_file field is wired by the flow).
+USER_INPUTS = {"kd": ("teacher_uri",), "ppo": ("critic_uri", "agent_func_path")}
+
+
+def _flow_sets(name: str, field: str) -> bool:
+    if field in ("output_uri", "storage_options") or field in FLOW_SET.get(name, ()):
+        return True
+    return field.endswith(("_uri", "_path", "_url", "_file")) and field not in USER_INPUTS.get(name, ())
+
+
+@functools.cache
+def section(name: str) -> type[BaseModel]:
+    """The typed settings of stage `name` in a flow's parameters: the stage Config's fields with their types,
+    defaults, descriptions and per-field checks, less the fields the flow sets. The Prefect run form shows one
+    input per setting with its default, the server refuses an unknown key or a wrong type, and a key the flow
+    sets is refused by name. The stage's cross-field checks run in `validate`, before any work."""
+    config = stage(name).Config
+    fields, wired = {}, []
+    for key, info in config.model_fields.items():
+        if _flow_sets(name, key):
+            wired.append(key)
+            continue
+        info = copy.copy(info)
+        if info.is_required():  # a user input the stage requires (kd's teacher_uri): optional here, checked later
+            fields[key] = (Optional[info.annotation], Field(None, description=info.description))
+        else:
+            fields[key] = (info.annotation, info)
+
+    def refuse_wired(cls, data):
+        if data is None:  # `sft=null` on the command line: no settings
+            return {}
+        if isinstance(data, dict) and (given := [k for k in wired if k in data]):
+            raise ValueError(f"{', '.join(f'{name}.{k}' for k in given)} is set by the flow (from its own parameters: "
+                             f"pretrain_uri, prompt_data, the reward source, root, storage_options): remove it")
+        return data
+
+    title = "".join(part.title() for part in name.split("_")) + "Settings"
+    return create_model(title, __config__=ConfigDict(extra="forbid", title=f"{name} settings"),
+                        __doc__=f"Settings of the {name} stage (stages/{name}.py); inputs and outputs are wired by the flow.",
+                        __validators__={"refuse_wired": model_validator(mode="before")(classmethod(refuse_wired))},
+                        **fields)
+
+
+PrepareSettings, SftSettings, TrainRmSettings = section("prepare"), section("sft"), section("train_rm")
+GenerateSettings, ScoreSettings, FilterSettings, EvalSettings = (section("generate"), section("score"), section("filter"),
+                                                                 section("eval"))
+
+
 # ---------------------------------------------------------------------------------------------- loop pieces
 class LoopParams(BaseModel):
     """Parameters of a loop flow: the Prefect UI form, checked by the server; also loaded from YAML.
@@ -92,15 +145,15 @@ class LoopParams(BaseModel):
     prompt_data: str | None = Field(None, description="Prompts the loop generates from (sliced per iteration).")
     eval_prompt_data: str | None = Field(None, description="Held-out prompts for evaluation after each iteration.")
     gold_reward_file: str | None = Field(None, description="Python file with a gold reward_func for evaluation (the demo's).")
-    prepare: dict = Field(default_factory=dict, description="Keys for raw sources: input_key, apply_chat_template, ...")
+    prepare: PrepareSettings = Field(default_factory=PrepareSettings, description="Keys for raw sources: input_key, apply_chat_template, ...")
     train_split: str = Field("train", description="Split of prompt_data read where it has splits (OpenRLHF --train_split).")
     eval_split: str = Field("test", description="Split of eval_prompt_data read where it has splits (OpenRLHF --eval_split).")
-    sft: dict = Field(default_factory=dict, description="SFT warm-up settings.")
-    train_rm: dict = Field(default_factory=dict, description="Reward-model training settings.")
-    generate: dict = Field(default_factory=dict, description="Generation settings (backend, best_of_n, ...).")
-    score: dict = Field(default_factory=dict, description="Scoring settings.")
-    filter: dict = Field(default_factory=dict, description="Filter settings.")
-    eval: dict = Field(default_factory=dict, description="Evaluation settings.")
+    sft: SftSettings = Field(default_factory=SftSettings, description="SFT warm-up settings.")
+    train_rm: TrainRmSettings = Field(default_factory=TrainRmSettings, description="Reward-model training settings.")
+    generate: GenerateSettings = Field(default_factory=GenerateSettings, description="Generation settings (backend, best_of_n, ...).")
+    score: ScoreSettings = Field(default_factory=ScoreSettings, description="Scoring settings.")
+    filter: FilterSettings = Field(default_factory=FilterSettings, description="Filter settings.")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Evaluation settings.")
 
 
 def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
@@ -118,18 +171,19 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
     settings). Placeholder URIs stand in for the inputs the loop wires in."""
     if len(given := [f for f in ("reward_uri", "reward_func_file", "reward_url") if getattr(p, f)]) > 1:
         raise ConfigError(f"{flow_name}: set one reward source, not {' and '.join(given)}")
-    if given and (unused := [f for f in ("train_rm", "preference_data", "reward_base_uri") if getattr(p, f)]):
+    if given and (unused := [f for f in ("train_rm", "preference_data", "reward_base_uri")
+                             if (settings(p.train_rm) if f == "train_rm" else getattr(p, f))]):
         raise ConfigError(f"{flow_name}: {given[0]} is the reward, so no reward model is trained and "
                           f"{', '.join(unused)} would be ignored: remove them (on the command line: "
                           f"{' '.join(u + '=null' for u in unused)})")
-    if not (p.demo or p.sft_data) and p.sft:
+    if not (p.demo or p.sft_data) and settings(p.sft):
         raise ConfigError(f"{flow_name}: sft settings apply to the SFT warm-up on sft_data, which is not set: "
                           "remove them (on the command line: sft=null)")
     for k in ("prm_aggregate", "prm_tokens", "prm_step_separator"):  # whether reward_uri is a PRM: the score stage checks
-        if p.score.get(k) and not p.reward_uri:
+        if getattr(p.score, k) and not p.reward_uri:
             raise ConfigError(f"{flow_name}: score.{k} applies to a process reward model given as reward_uri")
     own = [(module, base) for module, base in (checks or {}).items()]
-    for module, base in [(stage(n), {**table.FIXED.get(n, {}), **getattr(p, n)}) for n in table.SHARED] + own:
+    for module, base in [(stage(n), {**table.FIXED.get(n, {}), **settings(getattr(p, n))}) for n in table.SHARED] + own:
         name = module.__name__.rsplit(".", 1)[-1]
         stage_config(module, base, **{f: "placeholder://" for f, info in module.Config.model_fields.items()
                                       if (info.is_required() or f in table.WIRED.get(name, ())) and f not in base})
@@ -162,13 +216,13 @@ def prepare_inputs(p: LoopParams, run: dict):
                     tracking={"tensorboard": p.use_tensorboard, "wandb": p.use_wandb, "project": p.wandb_project})
 
     prepare = stage("prepare")
-    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.train_split}, data=prompt_data,
+    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.train_split}, data=prompt_data,
                                               tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
     if run["flow"] != "ppo":  # ppo passes over all prompts each iteration; the others slice them
         _check_slices(p, prompts["rows"])
     eval_prompts = None
     if eval_data:
-        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **p.prepare, "split": p.eval_split}, data=eval_data,
+        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.eval_split}, data=eval_data,
                                                        tokenizer_uri=_tok(p, policy), output_uri=at("eval_prompts"),
                                                        storage_options=so))["uri"]
     if sft_data:
@@ -188,14 +242,14 @@ def prepare_inputs(p: LoopParams, run: dict):
                                                        if reward.get("reward_model_uri") else {})})
     report.eval_cfg = dict(prompts_uri=eval_prompts, gold_reward_file=gold, reward_model_uri=reward.get("reward_model_uri"),
                            remote_rm_url=reward.get("remote_rm_url"), reference_uri=policy,  # KL to the initial policy
-                           **{k: p.score[k] for k in ("prm_aggregate", "prm_tokens", "prm_step_separator")
-                              if p.score.get(k)})  # a PRM scores the eval samples as score does
+                           **{k: getattr(p.score, k) for k in ("prm_aggregate", "prm_tokens", "prm_step_separator")
+                              if getattr(p.score, k)})  # a PRM scores the eval samples as score does
     evaluate_and_report(p, report, 0, policy, reward, [])
     return policy, reward, prompts["uri"], report
 
 
 def _tok(p: LoopParams, policy: str) -> str | None:
-    return policy if p.prepare.get("apply_chat_template") else None
+    return policy if p.prepare.apply_chat_template else None
 
 
 def _demo_gold() -> str:
@@ -206,7 +260,7 @@ def _demo_gold() -> str:
 
 def _check_slices(p: LoopParams, n_prompts: int) -> None:
     """OpenRLHF slices prompts by iteration: [k*R, (k+1)*R). Refuse a run whose last slice is past the end."""
-    r = p.generate.get("rollout_batch_size", stage("generate").Config.model_fields["rollout_batch_size"].default)
+    r = p.generate.rollout_batch_size
     if p.iterations * r > n_prompts:
         raise ConfigError(f"iterations x generate.rollout_batch_size = {p.iterations} x {r} = {p.iterations * r} "
                           f"prompts, but the prompt set has {n_prompts}: iteration {n_prompts // r + 1} would be "
@@ -253,10 +307,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward", "kl")})
         row["response_length"] = em["metrics"].get("response_tokens_mean")
         by_stage["eval"] = em
-        for name, settings in report.eval_variants.items():  # e.g. conditional SFT under its low condition
+        for name, variant in report.eval_variants.items():  # e.g. conditional SFT under its low condition
             vm = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, storage_options=p.storage_options,
                                             output_uri=store.run_prefix(p.root, p.run_name, f"eval_{name}", k),
-                                            **{**report.eval_cfg, **settings}))
+                                            **{**report.eval_cfg, **variant}))
             row.update({f"{key}_{name}": vm["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
             by_stage[f"eval_{name}"] = vm
     row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
@@ -282,7 +336,7 @@ def rollout(p: LoopParams, k: int, policy: str, prompts: str, reward: dict, **ge
     `generate`: settings of this iteration's generate stage over p.generate's."""
     gen, score = stage("generate"), stage("score")
     at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-    samples = call(gen.task, stage_config(gen, {**p.generate, **generate}, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
+    samples = call(gen.task, stage_config(gen, {**settings(p.generate), **generate}, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
                                                output_uri=at("generate"), storage_options=p.storage_options))
     scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward, output_uri=at("score"),
                                            storage_options=p.storage_options))

@@ -17,7 +17,7 @@ from prefect import flow
 from pydantic import Field, model_validator
 
 from flows import calls, common
-from flows.calls import call, stage_config
+from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import postprocess, store
 from stages import filter as filter_stage, sft
@@ -32,11 +32,11 @@ class Params(common.LoopParams):
     bootstrap: bool = Field(True, description="From iteration 2 on, sample the rollouts under the target_reward "
                             "condition (SteerLM's bootstrapping: the policy asked for the best), so each iteration "
                             "trains on better samples than the last; false: sample without a condition.")
-    sft_loop: dict = Field(default_factory=dict, description="SFT settings of the conditional fine-tune.")
+    sft_loop: common.SftSettings = Field(default_factory=common.SftSettings, description="SFT settings of the conditional fine-tune.")
 
     @model_validator(mode="after")
     def _targets_are_buckets(self):
-        n = self.filter.get("reward_buckets", 0)
+        n = self.filter.reward_buckets
         for name in ("target_reward", "low_target_reward"):
             t = getattr(self, name)
             if n and t is not None and not (t == int(t) and 0 <= t < n):
@@ -56,9 +56,9 @@ def conditional_sft(params: Params) -> dict:
     with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         # Evaluate under the condition the policy learnt to follow: the high target reward.
-        template = p.filter.get("csft_template", filter_stage.Config.model_fields["csft_template"].default)
+        template = p.filter.csft_template
         condition = lambda t: template.replace("{input}", "{prompt}").replace(  # noqa: E731
-            "{reward}", postprocess.csft_condition(t, p.filter.get("reward_buckets", 0), p.filter.get("bucket_labels")))
+            "{reward}", postprocess.csft_condition(t, p.filter.reward_buckets, p.filter.bucket_labels))
         report.eval_cfg["prompt_template"] = condition(p.target_reward)
         if p.low_target_reward is not None:
             report.eval_variants["low"] = {"prompt_template": condition(p.low_target_reward), "reference_uri": None}
@@ -66,7 +66,7 @@ def conditional_sft(params: Params) -> dict:
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             ask_best = {"condition_template": condition(p.target_reward)} if p.bootstrap and k > 1 else {}
             samples, scored = common.rollout(p, k, policy, prompts, reward, **ask_best)
-            rows = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "csft"}, scored_uri=scored["uri"],
+            rows = call(filter_stage.task, stage_config(filter_stage, {**settings(p.filter), "method": "csft"}, scored_uri=scored["uri"],
                                                         output_uri=at("csft"), storage_options=so))
             trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=rows["uri"],
                                                   output_uri=at("sft"), storage_options=so))

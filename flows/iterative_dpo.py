@@ -25,20 +25,23 @@ from prefect import flow
 from pydantic import Field
 
 from flows import calls, common
-from flows.calls import call, stage_config
+from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
 from stages import dpo, filter as filter_stage, kto, reference
 from stages.common import ConfigError
 
 
+ReferenceSettings, DpoSettings, KtoSettings = common.section("reference"), common.section("dpo"), common.section("kto")
+
+
 class Params(common.LoopParams):
     ref_policy: Literal["initial", "previous"] = Field("initial", description="Reference model for DPO.")
-    reference: dict = Field(default_factory=dict, description="Settings of the reference log-prob pass.")
-    dpo: dict = Field(default_factory=dict, description="DPO settings (beta, learning_rate, ...).")
+    reference: ReferenceSettings = Field(default_factory=ReferenceSettings, description="Settings of the reference log-prob pass.")
+    dpo: DpoSettings = Field(default_factory=DpoSettings, description="DPO settings (beta, learning_rate, ...).")
     trainer: Literal["dpo", "kto"] = Field("dpo", description="Preference trainer of each iteration: dpo on the pairs, "
                                            "or kto on the pairs as desirable / undesirable rows.")
-    kto: dict = Field(default_factory=dict, description="KTO settings (beta, desirable_loss_weight, ...) with trainer=kto.")
+    kto: KtoSettings = Field(default_factory=KtoSettings, description="KTO settings (beta, desirable_loss_weight, ...) with trainer=kto.")
 
 
 # The reference pass runs as dpo trains (same tokens, dtype and hardware) unless `reference` says otherwise.
@@ -47,14 +50,15 @@ REF_FROM_DPO = ("max_len", "overlong", "bf16", "packing_samples", "attn_implemen
 
 
 def reference_settings(p: Params) -> dict:
-    return {**{k: p.dpo[k] for k in REF_FROM_DPO if k in p.dpo}, **p.reference}
+    dpo_given = settings(p.dpo)
+    return {**{k: dpo_given[k] for k in REF_FROM_DPO if k in dpo_given}, **settings(p.reference)}
 
 
 def checks(p: Params) -> dict:
     """The flow's own stages and their settings, validated before any work; the other trainer's settings
     would be ignored, so they are refused."""
     unused = ("dpo", "reference") if p.trainer == "kto" else ("kto",)
-    if given := [k for k in unused if getattr(p, k)]:
+    if given := [k for k in unused if settings(getattr(p, k))]:
         raise ConfigError(f"iterative-dpo: trainer={p.trainer} does not read {' and '.join(given)} settings: remove them")
     return {kto: p.kto} if p.trainer == "kto" else {reference: reference_settings(p), dpo: p.dpo}
 
@@ -69,7 +73,7 @@ def iterative_dpo(params: Params) -> dict:
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             samples, scored = common.rollout(p, k, policy, prompts, reward)
-            pairs = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "iter_dpo"},
+            pairs = call(filter_stage.task, stage_config(filter_stage, {**settings(p.filter), "method": "iter_dpo"},
                                                          scored_uri=scored["uri"], output_uri=at("pairs"), storage_options=so))
             if p.trainer == "kto":
                 trained = call(kto.task, stage_config(kto, p.kto, dataset_uri=pairs["uri"], policy_uri=policy, ref_uri=ref,

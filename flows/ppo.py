@@ -21,36 +21,32 @@ from prefect import flow
 from pydantic import Field
 
 from flows import calls, common
-from flows.calls import call, stage_config
+from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
 from stages import ppo as ppo_stage
-from stages.common import ConfigError
+
+
+PpoSettings = common.section("ppo")
 
 
 class Params(common.LoopParams):
-    ppo: dict = Field(default_factory=dict, description="ppo stage settings (advantage_estimator, actor_learning_rate, "
-                      "n_samples_per_prompt, ...); the policy, prompts and reward source are wired in.")
-
-
-WIRED = ("policy_uri", "prompts_uri", "output_uri", "reward_model_uri", "reward_func_path", "remote_rm_url",
-         "storage_options")
+    ppo: PpoSettings = Field(default_factory=PpoSettings, description="ppo stage settings (advantage_estimator, "
+                             "actor_learning_rate, n_samples_per_prompt, ...); the policy, prompts and reward source are "
+                             "wired in.")
 
 
 def checks(p: Params) -> dict:
     """The flow's own stages and their settings, validated before any work (the reward source the flow will
     wire in stands in)."""
-    if (wired := [k for k in WIRED if k in p.ppo]):
-        raise ConfigError(f"ppo: {', '.join(f'ppo.{k}' for k in wired)} is set by the flow (pretrain_uri, prompt_data, "
-                          f"reward_uri / reward_func_file / reward_url, root, storage_options): remove it")
     source = ("reward_func_path" if p.reward_func_file else "remote_rm_url" if p.reward_url
               else "reward_model_uri")  # given or trained by train_rm
-    return {ppo_stage: {source: "placeholder://", **p.ppo}}
+    return {ppo_stage: {source: "placeholder://", **settings(p.ppo)}}
 
 
 def iteration_settings(p: Params, k: int) -> dict:
     """Iteration k's ppo settings: the user's, with the prompt permutation seeded by k."""
-    return {**p.ppo, "seed": p.ppo.get("seed", ppo_stage.Config.model_fields["seed"].default) + k - 1}
+    return {**settings(p.ppo), "seed": p.ppo.seed + k - 1}
 
 
 @flow(name="ppo", flow_run_name=calls.flow_run_name, log_prints=True)

@@ -19,27 +19,30 @@ from prefect import flow
 from pydantic import Field
 
 from flows import calls, common
-from flows.calls import call, stage_config
+from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
 from stages import filter as filter_stage, kd, sft
 from stages.common import ConfigError
 
 
+KdSettings = common.section("kd")
+
+
 class Params(common.LoopParams):
-    sft_loop: dict = Field(default_factory=dict, description="SFT settings of the per-iteration fine-tune.")
+    sft_loop: common.SftSettings = Field(default_factory=common.SftSettings, description="SFT settings of the per-iteration fine-tune.")
     trainer: Literal["sft", "kd"] = Field("sft", description="Per-iteration trainer on the kept rows: sft, or kd "
                                           "(distillation from kd.teacher_uri mixed with the NLL).")
-    kd: dict = Field(default_factory=dict, description="KD settings with trainer=kd: teacher_uri (required), kd_coef, ...")
+    kd: KdSettings = Field(default_factory=KdSettings, description="KD settings with trainer=kd: teacher_uri (required), kd_coef, ...")
 
 
 def checks(p: Params) -> dict:
     """The flow's own stages and their settings, validated before any work; the other trainer's settings
     would be ignored, so they are refused."""
     unused = "sft_loop" if p.trainer == "kd" else "kd"
-    if getattr(p, unused):
+    if settings(getattr(p, unused)):
         raise ConfigError(f"raft: trainer={p.trainer} does not read {unused} settings: remove them")
-    if p.trainer == "kd" and not p.kd.get("teacher_uri"):
+    if p.trainer == "kd" and not p.kd.teacher_uri:
         raise ConfigError("raft: trainer=kd needs kd.teacher_uri (the frozen teacher: a committed artifact or a plain HF folder)")
     return {kd: p.kd} if p.trainer == "kd" else {sft: p.sft_loop}
 
@@ -53,7 +56,7 @@ def raft(params: Params) -> dict:
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             samples, scored = common.rollout(p, k, policy, prompts, reward)
-            best = call(filter_stage.task, stage_config(filter_stage, {**p.filter, "method": "rs"}, scored_uri=scored["uri"],
+            best = call(filter_stage.task, stage_config(filter_stage, {**settings(p.filter), "method": "rs"}, scored_uri=scored["uri"],
                                                         output_uri=at("best_of_n"), storage_options=so))
             if p.trainer == "kd":
                 trained = call(kd.task, stage_config(kd, p.kd, policy_uri=policy, dataset_uri=best["uri"],

@@ -49,6 +49,22 @@ def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_
         nightly = prefect("deployment", "inspect", "ppo/nightly")
         assert "30 3 * * *" in nightly and "'active': False" in nightly
 
+        # The run form is typed per stage: the server holds each stage section's fields with defaults and
+        # descriptions, refuses a typo or a wrong type in a section, and a key the flow wires in is not offered
+        import httpx
+
+        dep = httpx.get(f"http://127.0.0.1:{port}/api/deployments/name/iterative-dpo/demo").json()
+        defs = dep["parameter_openapi_schema"]["definitions"]
+        beta = defs["DpoSettings"]["properties"]["beta"]
+        assert beta["default"] == 0.1 and beta["type"] == "number" and "beta" in beta["description"], beta
+        assert defs["DpoSettings"]["additionalProperties"] is False
+        assert "policy_uri" not in defs["DpoSettings"]["properties"] and "output_uri" not in defs["GenerateSettings"]["properties"]
+        for bad, named in (({"dpo": {"betta": 0.1}}, "betta"), ({"dpo": {"learning_rate": "abc"}}, "abc")):
+            out = subprocess.run([str(bindir / "prefect"), "--no-prompt", "deployment", "run", "iterative-dpo/demo",
+                                  "--params", json.dumps({"params": bad})], env=env, cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120)
+            said = out.stdout + out.stderr
+            assert out.returncode != 0 and named in said and "Created flow run" not in said, said[-2000:]
         procs.append(subprocess.Popen([str(bindir / "prefect"), "worker", "start", "--pool", "rlhf-cpu", "--limit", "1"],
                                       env=env, cwd=tmp_path, stdout=open(tmp_path / "worker.log", "w"),
                                       stderr=subprocess.STDOUT, preexec_fn=die_with_parent))

@@ -15,14 +15,16 @@ from rlhf_core import store
 from stages.common import ConfigError, StageFailed, load_config
 
 
-def test_typo_in_a_stage_setting_is_named_before_any_work(prefect_harness, tmp_path):
-    p = load_config(Params, None, ["demo=true", f"root={tmp_path}", "dpo.bta=0.2", "generate.temperature=-1"])
+def test_typo_in_a_stage_setting_is_named_before_any_work(tmp_path):
+    """The stage sections are typed (flows.common.section): a typo, a wrong type or a key the flow sets is
+    refused when the parameters are read, each named."""
     with pytest.raises(ConfigError) as e:
-        iterative_dpo(p)
-    assert "invalid flow config for stage generate:\n  generate.temperature: Input should be greater than or equal to 0" in str(e.value)
-    p = load_config(Params, None, ["demo=true", f"root={tmp_path}", "dpo.bta=0.2"])
-    with pytest.raises(ConfigError, match=r"dpo.bta: unknown field \(typo\?\)"):
-        iterative_dpo(p)
+        load_config(Params, None, ["demo=true", f"root={tmp_path}", "dpo.bta=0.2", "generate.temperature=-1",
+                                   "dpo.beta=abc", "reference.pairs_uri=x"])
+    msg = str(e.value)
+    assert "dpo.bta: unknown field (typo?)" in msg and "dpo.beta: Input should be a valid number" in msg, msg
+    assert "generate.temperature: Input should be greater than or equal to 0" in msg, msg
+    assert "reference.pairs_uri is set by the flow" in msg, msg
     assert not any(tmp_path.iterdir())  # nothing written
 
 

@@ -86,7 +86,7 @@ def test_rerun_resumes_without_redoing_anything(demo_run):
 def test_changing_beta_reruns_only_dpo_and_what_follows(demo_run):
     from flows.iterative_dpo import iterative_dpo
 
-    params = demo_run.params.model_copy(update={"iterations": 1, "dpo": {**demo_run.params.dpo, "beta": 0.2}})
+    params = demo_run.params.model_copy(update={"iterations": 1, "dpo": demo_run.params.dpo.model_copy(update={"beta": 0.2})})
     iterative_dpo(params)
     after, before = manifests(demo_run.run), demo_run.manifests
     for same in ("sft", "reward_model", "prompts", "iter-1/generate", "iter-1/score", "iter-1/pairs", "iter-1/reference"):
