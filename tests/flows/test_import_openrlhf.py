@@ -130,6 +130,15 @@ def test_the_readme_command_works_as_written(monkeypatch, capsys):
         assert out.startswith("# Imported from") and yaml.safe_load(out)
 
 
+def test_stdin_in_file_out(tmp_path, monkeypatch):
+    import io
+
+    script = (COMMANDS / "readme_ppo_v0.11.0.sh").read_text()
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    assert cli.main(["import-openrlhf", "-", "-o", str(tmp_path / "ppo.yaml")]) == 0
+    assert (tmp_path / "ppo.yaml").read_text() == imp.import_text(script, "stdin")
+
+
 def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
     """OpenRLHF's train_sft.sh (v0.11.0, dotted) imported through the CLI, then run by `rlhf-flows stage sft
     --config` with the hub ids replaced by the tiny model and a jsonl of OpenOrca's keys (question /
