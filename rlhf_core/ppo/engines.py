@@ -93,17 +93,19 @@ class HFRollout:
         self.updates += 1
         return self.updates
 
+    @torch.no_grad()
     def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
         """Join the weight group as `rank` (blocks until every member has joined; addr None: CUDA IPC, no group).
-        `layout`: the buckets policy rank 0 sends, [[(name, shape, dtype)]]."""
+        `layout`: the buckets policy rank 0 sends, [[(name, shape, dtype)]]; the parameters become views of one
+        buffer per bucket, so the broadcasts land in them directly."""
         self.layout = layout
         self.weight_group = weight_sync.group(addr, port, rank, world) if addr is not None else None
+        self.buckets = weight_sync.as_buckets(self.model, layout) if addr is not None else None
         return rank
 
-    @torch.no_grad()
     def receive_weights(self) -> int:
-        """One sync over the weight group: each bucket is received and copied into the parameters it names."""
-        self._copy_in(weight_sync.receive(self.weight_group, self.layout, self.device))
+        """One sync over the weight group, each bucket straight into the parameters (views of its buffer)."""
+        weight_sync.receive_into(self.weight_group, self.buckets)
         self.updates += 1
         return self.updates
 
@@ -113,13 +115,10 @@ class HFRollout:
         if i is None:
             self.updates += 1
         else:
-            self._copy_in(weight_sync.unflatten(weight_sync.from_ipc(handle), self.layout[i]))
+            params = dict(self.model.named_parameters())
+            for name, t in weight_sync.unflatten(weight_sync.from_ipc(handle), self.layout[i]):
+                params[name].copy_(t)
         return self.updates
-
-    def _copy_in(self, pairs) -> None:
-        params = dict(self.model.named_parameters())
-        for name, t in pairs:
-            params[name].copy_(t)
 
     def weights(self) -> dict:
         """name -> a CPU copy of each parameter the engine generates with (tests compare it with the learner's)."""
