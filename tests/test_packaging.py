@@ -33,7 +33,9 @@ def test_deployment_parameters_are_the_demo_config():
     for flow in ("iterative_dpo", "ppo"):
         nightly = by_name[(flow, "nightly")]
         assert nightly["schedules"][0]["cron"] and nightly["schedules"][0]["active"] is False
-    assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"rlhf-cpu", "rlhf-gpu-docker"}
+    assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"rlhf-cpu"}  # deploy --all needs one process pool
+    gpu = yaml.safe_load((ROOT / "deployments" / "gpu.yaml").read_text())
+    assert {d["work_pool"]["name"] for d in gpu["deployments"]} == {"rlhf-gpu-docker"}
     for d in spec["deployments"]:
         assert (ROOT / d["entrypoint"].split(":")[0]).exists(), d["entrypoint"]
 
@@ -51,9 +53,9 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert f"COPY {package.rstrip('*')} {package.rstrip('*')}" in text, package
     workdir = next(ln.split()[1] for ln in lines if ln.startswith("WORKDIR"))
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    spec = yaml.safe_load((ROOT / "deployments" / "gpu.yaml").read_text())
     gpu = next(d for d in spec["deployments"] if d["name"] == "gpu")
-    assert gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
+    assert spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
 
 
 def test_every_shipped_config_is_a_valid_flow_or_stage_config():
@@ -127,8 +129,7 @@ def test_every_deployment_s_parameters_validate_against_its_flow():
 
     from flows import common
 
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    for d in spec["deployments"]:
+    for d in [d for f in ("prefect.yaml", "gpu.yaml") for d in yaml.safe_load((ROOT / "deployments" / f).read_text())["deployments"]]:
         path, fn = d["entrypoint"].split(":")
         mod = importlib.import_module(path[:-3].replace("/", "."))
         schema = parameter_schema(getattr(mod, fn)).model_dump_for_openapi()
@@ -137,5 +138,5 @@ def test_every_deployment_s_parameters_validate_against_its_flow():
         common.validate(params, mod.__name__.split(".")[-1], mod.checks(params))
         if d["name"] == "gpu":
             assert params.root.startswith("s3://")
-            assert all(getattr(params, s)["bf16"] is True for s in ("sft", "train_rm", "dpo"))
-            assert params.generate["dtype"] == params.score["dtype"] == "bf16"
+            assert all(getattr(params, s).bf16 is True for s in ("sft", "train_rm", "dpo"))
+            assert params.generate.dtype == params.score.dtype == "bf16"

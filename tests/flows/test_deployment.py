@@ -38,12 +38,14 @@ def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_
                                       env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
                                       preexec_fn=die_with_parent))
         wait_for_port(port, procs[0], "prefect server", timeout=180)
-        prefect("work-pool", "create", "rlhf-cpu", "--type", "process")
-        prefect("work-pool", "create", "rlhf-gpu-docker", "--type", "docker")
+        prefect("work-pool", "create", "rlhf-cpu", "--type", "process")  # the README's CPU path: one process pool
         out = prefect("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-        for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo", "iterative-dpo/gpu",
+        for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo",
                      "ppo/demo", "ppo/nightly"):
             assert f"Deployment '{name}' successfully created" in out, name
+        prefect("work-pool", "create", "rlhf-gpu-docker", "--type", "docker")  # the GPU image's file and pool
+        assert "Deployment 'iterative-dpo/gpu' successfully created" in prefect("deploy", "--all", "--prefect-file",
+                                                                                 "deployments/gpu.yaml")
         nightly = prefect("deployment", "inspect", "iterative-dpo/nightly")
         assert "0 3 * * *" in nightly and "'active': False" in nightly  # scheduled retraining, paused by default
         nightly = prefect("deployment", "inspect", "ppo/nightly")
