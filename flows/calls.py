@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib
+import json
 import re
 import time
 
@@ -112,17 +113,57 @@ def flow_run_name() -> str:
 
 
 def start_progress(flow: str, stages: int) -> None:
-    """A progress bar in the UI for this flow run: stage calls done of `stages` planned."""
+    """A progress bar in the UI for this flow run: stage calls done of `stages` planned (a retry moves the card
+    its earlier attempt left, from 0)."""
     _progress.clear()
     if not stages:
         return
-    from prefect.artifacts import create_progress_artifact
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is not None:
-        _progress.update(id=create_progress_artifact(0.0, key=f"{flow}-progress", description=
-                                                     f"{flow}: stages done of {stages} planned"),
+        _progress.update(id=card(f"{flow}-progress", f"{flow}: stages done of {stages} planned", progress=0.0),
                          done=0, total=stages)
+
+
+_cards: dict[tuple[str, str], object] = {}  # (flow run id, key) -> artifact id
+
+
+def card(key: str, description: str, *, table: list[dict] | None = None, markdown: str | None = None,
+         progress: float | None = None):
+    """This flow run's one artifact `key`, updated in place: Prefect keeps every version created under a key, so
+    a card created at each publish (and again by each retry) would fill the run's Artifacts tab with copies.
+    Created the first time, found again by a retry of the same flow run (its earlier attempt's card), then
+    updated. Returns the artifact id."""
+    from prefect.artifacts import (TableArtifact, create_markdown_artifact, create_progress_artifact,
+                                   create_table_artifact, update_progress_artifact)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.context import FlowRunContext
+
+    run_id = str(FlowRunContext.get().flow_run.id)
+    if (run_id, key) not in _cards:
+        with get_client(sync_client=True) as client:
+            old = client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])),
+                sort=ArtifactSort.CREATED_DESC, limit=1)
+        if old:
+            _cards[run_id, key] = old[0].id
+    art = _cards.get((run_id, key))
+    if art is None:
+        made = (create_table_artifact(table, key=key, description=description) if table is not None
+                else create_markdown_artifact(markdown, key=key, description=description) if markdown is not None
+                else create_progress_artifact(progress, key=key, description=description))
+        _cards[run_id, key] = made
+        return made
+    if progress is not None:
+        update_progress_artifact(art, progress=progress, description=description)
+        return art
+    data = json.dumps(TableArtifact._sanitize(table)) if table is not None else markdown
+    with get_client(sync_client=True) as client:
+        client.update_artifact(art, ArtifactUpdate(data=data, description=description))
+    return art
 
 
 def finish_progress() -> None:

@@ -1,12 +1,14 @@
 """A flow run's report: per-iteration rows as report.json, the reward plot and TensorBoard / W&B in the run
-folder, and as Prefect table / markdown artifacts. Every file it writes goes through the store's fence."""
+folder, and as Prefect table / markdown artifacts (one card per kind per flow run, updated in place), plus one
+summary line per iteration in the run log. Every file it writes goes through the store's fence. wall_s is the
+run's time over all its attempts: a rerun or a retry adds its seconds to those of the attempts before it."""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
-from flows import calls
+from flows import calls, lock
 from rlhf_core import store
 
 
@@ -21,7 +23,10 @@ class Report:
         self.rows: list[dict] = []
         self.links: dict[str, str] = {}
         self.stop_reason = "running"
-        self.started = time.time()
+        lease = lock.held.get(self.run_uri)  # the run lock: when this attempt took the run, whom it took it from
+        self.attempt, self.started = (lease.me["token"], lease.me["acquired_at"]) if lease else ("unlocked", time.time())
+        self.earlier = self._earlier_attempts(lease.took_over if lease else None)
+        self.last_row_at = self.started
         self.eval_cfg: dict = {}
         self.eval_variants: dict[str, dict] = {}  # name -> eval settings of a second evaluation (columns *_{name})
         self.png = b""
@@ -33,10 +38,45 @@ class Report:
             self.steps.append({"iteration": k, "step": len(self.steps) + 1, "reward": h.get("reward"),
                                "kl": h.get("kl"), "entropy": h.get("entropy")})
 
+    def _earlier_attempts(self, dead: dict | None) -> dict[str, float]:
+        """Seconds of this run's earlier attempts, by lock token: as their last report.json said, and for an
+        attempt that died holding the lock (taken over now), until its last lock refresh, its last sign of life
+        (its report.json is from its last iteration)."""
+        fs, path = store.filesystem(self.run_uri, self.storage_options)
+        try:
+            with fs.open(store.join(path, "report.json")) as f:
+                before = json.load(f)
+        except FileNotFoundError:
+            before = {}
+        seconds = dict(before.get("attempts_wall_s") or ({"before": before["wall_s"]} if "wall_s" in before else {}))
+        if dead and dead.get("acquired_at") and dead.get("token"):
+            lived = dead.get("refreshed_at", 0) - dead["acquired_at"]
+            seconds[dead["token"]] = round(max(seconds.get(dead["token"], 0.0), lived), 2)
+        return seconds
+
     def add(self, row: dict, links: dict[str, str] | None = None) -> None:
         self.rows.append(row)
         self.links.update(links or {})
+        now = time.time()
+        self._say(row, now - self.last_row_at)
+        self.last_row_at = now
         self.publish()
+
+    def _say(self, row: dict, seconds: float) -> None:
+        """The iteration's line in the run log: `iteration 2: gold 0.412, RM 1.20, KL 0.0312, length 11.4 tokens, 35.2 s`."""
+        import logging
+
+        try:
+            from prefect import get_run_logger
+
+            logger = get_run_logger()
+        except Exception:  # noqa: BLE001  outside a flow run
+            logger = logging.getLogger("rlhf_flows")
+        said = [f"{label} {row[key]:.4g}" for key, label in (("gold_reward", "gold"), ("rm_reward", "RM"), ("kl", "KL"))
+                if isinstance(row.get(key), (int, float))]
+        if isinstance(row.get("response_length"), (int, float)):
+            said.append(f"length {row['response_length']:.3g} tokens")
+        logger.info("iteration %s: %s", row.get("iteration"), ", ".join(said + [f"{seconds:.1f} s"]))
 
     def finish(self) -> dict:
         if self.stop_reason == "running":
@@ -76,7 +116,9 @@ class Report:
         ctx = FlowRunContext.get()
         rep = {"flow": self.flow, "run": self.run_uri, "stop_reason": self.stop_reason, "iterations": self.rows,
                "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
-               "artifacts": self.links, "wall_s": round(time.time() - self.started, 2)}
+               "artifacts": self.links}
+        attempts = {**self.earlier, self.attempt: round(time.time() - self.started, 2)}
+        rep |= {"wall_s": round(sum(attempts.values()), 2), "attempts_wall_s": attempts}
         if self.steps:
             rep["steps"] = self.steps
         fs, path = store.filesystem(self.run_uri, self.storage_options)
@@ -140,7 +182,6 @@ class Report:
             f.write(self.png)
 
     def _prefect_artifacts(self) -> None:
-        from prefect.artifacts import create_markdown_artifact, create_table_artifact
         from prefect.context import FlowRunContext
 
         if FlowRunContext.get() is None:
@@ -150,15 +191,16 @@ class Report:
         key = self.flow.replace("_", "-")
         cols = columns(self.rows)
         table = [{c: (round(r[c], 4) if isinstance(r.get(c), float) else r.get(c)) for c in cols} for r in self.rows]
-        create_table_artifact(table, key=f"{key}-iterations", description=f"{self.flow}: per-iteration metrics")
+        done = f"{len(self.rows) - 1} iteration(s)" + ("" if self.stop_reason == "running" else f", {self.stop_reason}")
+        calls.card(f"{key}-iterations", f"{self.flow}: per-iteration metrics ({done})", table=table)
         md = [f"# {self.flow} — `{self.run_uri}`", f"Stop reason: **{self.stop_reason}**", "",
               f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
         md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
-        create_markdown_artifact("\n".join(md), key=f"{key}-report", description="every artifact of the run")
+        calls.card(f"{key}-report", f"every artifact of the run ({done})", markdown="\n".join(md))
         # The image inline (a data: URI): the UI cannot open the store's file:// or s3:// URL of reward.png.
-        create_markdown_artifact(f"![reward, KL and length per iteration](data:image/png;base64,"
-                                 f"{base64.b64encode(self.png).decode()})\n\nFile: `{self.run_uri}/reward.png`",
-                                 key=f"{key}-plot", description="reward, KL and response length per iteration")
+        calls.card(f"{key}-plot", f"reward, KL and response length per iteration ({done})",
+                   markdown=f"![reward, KL and length per iteration](data:image/png;base64,"
+                            f"{base64.b64encode(self.png).decode()})\n\nFile: `{self.run_uri}/reward.png`")
 
 
 def training_columns(name: str, metrics: dict) -> dict:

@@ -226,10 +226,11 @@ def _object(fs, path: str) -> LeaseObject:
     return obj
 
 
-def _take(obj: LeaseObject, me: dict, uri: str, lease_s: float, what: str, hint: str) -> None:
+def _take(obj: LeaseObject, me: dict, uri: str, lease_s: float, what: str, hint: str) -> dict | None:
+    """Create the lock, or take over a stale one: returns the stale holder taken over (None if it was free)."""
     for _ in range(5):
         if obj.create(me):
-            return
+            return None
         got = obj.read()
         if got is None:
             continue  # released meanwhile: try again
@@ -240,7 +241,7 @@ def _take(obj: LeaseObject, me: dict, uri: str, lease_s: float, what: str, hint:
         me["refreshed_at"] = time.time()
         if obj.swap(me, tag):
             log.warning("took over the stale lock %s (%s, refreshed %.0fs ago)", uri, describe(held), age)
-            return
+            return held
     raise LockHeld(f"{what} was just taken by another process (lock {uri}){hint}")
 
 
@@ -252,6 +253,7 @@ class Lease:
     def __init__(self, obj: LeaseObject, me: dict, uri: str, lease_s: float, redact: Callable[[str], str]):
         self.obj, self.me, self.uri, self.lease_s, self.redact = obj, me, uri, lease_s, redact
         self.lost_why: str | None = None
+        self.took_over: dict | None = None  # the stale holder this lease replaced (its refreshed_at: when it last lived)
         self.ok_at = time.time()
         self.stop = threading.Event()
 
@@ -293,17 +295,18 @@ def lease(fs, path: str, uri: str, lease_s: float, what: str, redact: Callable[[
     compare-and-swap, so of two racing takers exactly one wins; LockHeld names a live holder (after waiting
     up to `wait_s` for it to go). Released only if it still holds our token."""
     obj = _object(fs, path)
-    me = {"token": uuid.uuid4().hex, **identity(), "refreshed_at": time.time()}
+    me = {"token": uuid.uuid4().hex, **identity(), "refreshed_at": time.time(), "acquired_at": time.time()}
     deadline = time.time() + wait_s
     while True:
         try:
-            _take(obj, me, uri, lease_s, what, hint)
+            stale = _take(obj, me, uri, lease_s, what, hint)
             break
         except LockHeld:
             if time.time() >= deadline:
                 raise
             time.sleep(0.1)
     held = Lease(obj, me, uri, lease_s, redact)
+    held.took_over = stale
     t = threading.Thread(target=held._refresh, daemon=True, name=f"lease-{uri}")
     t.start()
     try:

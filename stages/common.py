@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -178,7 +179,8 @@ def run_log():
 
     class ToRunLog(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            run_logger.log(record.levelno, "%s", record.getMessage())
+            msg = record.getMessage()
+            run_logger.log(record.levelno if worth_a_look(msg, record.levelno) else logging.DEBUG, "%s", msg)
 
     progress.install()
     handler, log = ToRunLog(), logging.getLogger("rlhf_flows")
@@ -189,6 +191,17 @@ def run_log():
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
+
+
+def worth_a_look(msg: str, level: int) -> bool:
+    """Whether a job's line stays at its level in the Prefect run log: warnings, the training step lines (loss,
+    tokens/s, ETA) and what the CLI prints by default (progress.Display.NOTABLE); the launcher's chatter, the
+    generate / score row counts (the progress card shows them) and empty lines go at debug level. The job's
+    own output and the CLI are unchanged."""
+    from rlhf_core import progress
+
+    ev = progress.parse(msg)
+    return level >= logging.WARNING or (ev.what == "train" if ev else msg.strip().startswith(progress.Display.NOTABLE))
 
 
 class StageFailed(RuntimeError):

@@ -54,7 +54,8 @@ def _scored_input(root, n):
 def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_lines(prefect_harness, tiny, tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterId, LogFilter,
+                                                LogFilterFlowRunId)
     from prefect.logging.handlers import APILogHandler
 
     from flows import calls, report
@@ -73,10 +74,14 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
     def progress_check():
         from prefect.context import FlowRunContext
 
-        report.Report("progress-check", str(tmp_path), "run", stages=2)
+        rep = report.Report("progress-check", str(tmp_path), "run", stages=2)
         calls.call(score.task, cfg)
+        rep.add({"iteration": 0, "gold_reward": -0.25, "rm_reward": 1.5, "kl": 0.0, "response_length": 12.0})
+        rep.add({"iteration": 1, "gold_reward": 0.125, "kl": 0.03125})
+        rep.finish()
         return str(FlowRunContext.get().flow_run.id)
 
+    (tmp_path / "run").mkdir()  # the flow's run lock makes it
     progress.listeners.append(read_artifact)
     try:
         flow_run_id = progress_check()
@@ -86,8 +91,21 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
     APILogHandler().flush()  # the API log worker sends in batches: drain it
     with get_client(sync_client=True) as c:
         logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        cards = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     messages = [entry.message for entry in logs]
-    assert "progress score 256/512 rows" in messages and "progress score 512/512 rows" in messages, messages
+    # the row counts are the progress card's: at debug level in the run log, which holds one line per iteration
+    assert not [m for m in messages if m.startswith("progress score")], messages
+    assert [m for m in messages if m.startswith("iteration ")] == [
+        m for m in messages if re.fullmatch(r"iteration 0: gold -0\.25, RM 1\.5, KL 0, length 12 tokens, \d+\.\d s|"
+                                            r"iteration 1: gold 0\.125, KL 0\.03125, \d+\.\d s", m)] and len(
+        [m for m in messages if m.startswith("iteration ")]) == 2, messages
+    # one card per kind, updated in place: three publishes (two rows and the finish), one version each
+    assert sorted(a.key for a in cards) == ["progress-check-iterations", "progress-check-plot", "progress-check-progress",
+                                            "progress-check-report"], [(a.key, a.created) for a in cards]
+    table = next(a for a in cards if a.key.endswith("-iterations"))
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert [r["iteration"] for r in rows] == [0, 1] and "completed all iterations" in table.description
+    assert float(next(a for a in cards if a.key.endswith("-progress")).data) == 100.0
 
 
 def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_tokens_per_s_and_eta(tiny, tmp_path, capsys):
