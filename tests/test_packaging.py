@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,11 +59,16 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     assert spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
 
 
+# ppo settings only a CUDA host runs, and their values off
+CUDA_ONLY = {"vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "vllm_tensor_parallel_size": 1,
+             "ref_reward_offload": False}
+
+
 def test_every_shipped_config_is_a_valid_flow_or_stage_config():
     import importlib
 
     from flows import common
-    from stages.common import load_config
+    from stages.common import ConfigError, load_config
 
     flows = {"demo.yaml": "iterative_dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional_sft",
              "iterative_dpo_llama3_8b.yaml": "iterative_dpo", "raft_llama3_8b.yaml": "raft", "demo_ppo.yaml": "ppo",
@@ -72,6 +78,12 @@ def test_every_shipped_config_is_a_valid_flow_or_stage_config():
     for name, module in flows.items():
         mod = importlib.import_module(f"flows.{module}")
         params = load_config(mod.Params, ROOT / "configs" / name)
+        ppo = mod.Params.model_fields.get("ppo") and params.ppo
+        cuda_only = [k for k in CUDA_ONLY if ppo and getattr(ppo, k) != CUDA_ONLY[k]]
+        if cuda_only and not torch.cuda.is_available():  # a GPU config: refused here, naming the flag and the device
+            with pytest.raises(ConfigError, match=rf"({'|'.join(cuda_only)}).*no CUDA device"):
+                common.validate(params, module, mod.checks(params))
+            params = load_config(mod.Params, ROOT / "configs" / name, {"ppo": {k: CUDA_ONLY[k] for k in cuda_only}})
         common.validate(params, module, mod.checks(params))
     for name, stage in stages.items():
         load_config(importlib.import_module(f"stages.{stage}").Config, ROOT / "configs" / name,
