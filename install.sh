@@ -16,7 +16,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 pip="$VENV/bin/python -m pip --disable-pip-version-check -q"
 $pip install --upgrade "pip>=24"
 $pip install torch==2.13.0
-$pip install -c requirements/cpu-constraints.txt -e ".[cpu,test,tracking]"
+$pip install -c requirements/cpu-constraints.txt -e ".[cpu,test,tracking,docs]"
 $pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$VENV"/.installed-*
 touch "$stamp"

@@ -15,7 +15,7 @@ from flows import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "stages").glob("*.py")),
-        *sorted((ROOT / "flows").glob("*.py")), ROOT / "deployments" / "prefect.yaml"]
+        *sorted((ROOT / "flows").glob("*.py")), ROOT / "deployments" / "prefect.yaml", *sorted((ROOT / "docs").rglob("*.md"))]
 COMMAND = re.compile(r"rlhf-flows ((?:demo|run|stage|show|serve-rm|gc)\b[^`#\n]*)")
 PLACEHOLDER = re.compile(r"^[A-Z_]+$")  # FILE, FLOW, STAGE, URI, MODEL, NAME, DIR
 
