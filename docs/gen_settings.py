@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import json
 import re
 import sys
 import typing
@@ -41,7 +42,9 @@ def expand(what: str, kind: str | None, name: str) -> str:
         config = importlib.import_module(f"stages.{name}").Config
         inputs = [f"`{k}`" for k in config.model_fields if k.endswith("_uri") and k != "output_uri"]
         return (f"Inputs (committed artifacts or URIs): {', '.join(inputs) or 'raw sources (`data`)'}; output: one "
-                f"artifact at `output_uri`, committed by its `_MANIFEST.json`.\n\n" + settings_table(config, stage=name))
+                f"artifact at `output_uri`, committed by its `_MANIFEST.json`.\n\n" + settings_table(config, stage=name)
+                + "\nOpenRLHF flag: the flags `rlhf-flows import-openrlhf` turns into this key (v0.9's flat name, then "
+                "v0.10+'s dotted ones).\n")
     from flows.table import FLOWS
 
     if name not in FLOWS:
@@ -66,27 +69,29 @@ def docstring_markdown(doc: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- the flags
 @functools.cache
-def openrlhf_flags() -> tuple[dict[tuple[str, str], list[str]], dict[str, set[str]]]:
-    """((stage, key) -> the flags that set it, explicit; stage -> the keys a same-named flag sets)."""
+def openrlhf_flags() -> dict[tuple[str, str], list[str]]:
+    """(stage, key) -> the OpenRLHF flags the importer turns into that key: its tables' entries, and a flag of
+    the key's own name that OpenRLHF's parser has (the importer's rule for a flag its table does not list).
+    Each flag with every name it had (v0.9's flat name first, then v0.10+'s dotted ones)."""
     from flows import openrlhf_import as imp
 
+    parsers = json.loads((ROOT / "docs" / "openrlhf_flags.json").read_text())  # module -> {flat: [names]}
+    tables = [(imp.FLAGS[m], sections[0], parsers[m]) for m, sections in imp.STAGES.items()]
+    tables += [(imp.FLAGS[task], task, parsers["batch_inference"]) for task in ("generate", "score")]
     dotted = defaultdict(list)
     for new, flat in imp.DOTTED.items():
         dotted[flat].append(new)
-    tables = [(imp.FLAGS[m], sections[0]) for m, sections in imp.STAGES.items()]
-    tables += [(imp.FLAGS["generate"], "generate"), (imp.FLAGS["score"], "score")]  # batch_inference's two tasks
-    explicit: dict[tuple[str, str], list[str]] = defaultdict(list)
-    by_name: dict[str, set[str]] = defaultdict(set)
-    for table, main in tables:
+    out: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for table, main, parser in tables:
         fields = importlib.import_module(f"stages.{main}").Config.model_fields
         launcher = {f: r for f, r in imp.LAUNCHER.items() if isinstance(r, str) and r in fields}
-        for flag, rule in {**launcher, **table}.items():
+        rules = {**launcher, **table, **{k: k for k in fields if k in parser and k not in table}}
+        for flag, rule in rules.items():
+            names = [f"--{n}" for n in dict.fromkeys([flag, *parser.get(flag, []), *dotted.get(flag, [])])]
             for key in rule_keys(rule):
                 section, key = key.split(".", 1) if "." in key else (main, key)
-                shown = [f"--{flag}", *(f"--{d}" for d in dotted.get(flag, []))]
-                explicit[(section, key)] += [s for s in shown if s not in explicit[(section, key)]]
-        by_name[main] |= {k for k in fields if k not in table and k not in ("output_uri", "storage_options")}
-    return explicit, by_name
+                out[(section, key)] += [n for n in names if n not in out[(section, key)]]
+    return out
 
 
 def rule_keys(rule) -> list[str]:
@@ -107,14 +112,8 @@ def rule_keys(rule) -> list[str]:
     return keys
 
 
-def flag_cell(stage: str | None, key: str) -> str:
-    if stage is None:
-        return ""
-    explicit, by_name = openrlhf_flags()
-    flags = [f"`{f}`" for f in explicit.get((stage, key), [])]
-    if key in by_name.get(stage, ()) and f"--{key}" not in explicit.get((stage, key), []):
-        flags.append(f"*`--{key}`*")
-    return " ".join(flags)
+def flag_cell(stage: str, key: str) -> str:
+    return " ".join(f"`{f}`" for f in openrlhf_flags().get((stage, key), []))
 
 
 # ---------------------------------------------------------------------------------------------- the table

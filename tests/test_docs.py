@@ -35,14 +35,18 @@ def test_every_stage_and_flow_has_a_page_with_its_generated_settings(site):
 
 
 def test_settings_tables_name_the_openrlhf_flag_the_importer_maps(site):
-    """Spot checks against flows/openrlhf_import.py's tables (both dialects, a list rule, a launcher flag)."""
+    """Spot checks against flows/openrlhf_import.py's tables (both dialects, a list rule, a launcher flag, a flag
+    matched by name) and OpenRLHF's parsers (docs/openrlhf_flags.json): a key no flag sets shows none."""
     row = lambda page, key: re.search(rf"<tr>\s*<td><code>{key}</code></td>.*?</tr>", (site / page).read_text(), re.S).group(0)  # noqa: E731
     assert "--pretrain" in row("stages/ppo/index.html", "policy_uri")
     assert "--model.model_name_or_path" in row("stages/ppo/index.html", "policy_uri")
     assert "--max_new_tokens" in row("stages/ppo/index.html", "generate_max_len")
     assert "--max_len" in row("stages/reference/index.html", "max_len")  # train_dpo's --max_len sets dpo and reference
     assert "--num_gpus" in row("stages/sft/index.html", "num_gpus")
+    assert "--train.micro_batch_size" in row("stages/sft/index.html", "micro_train_batch_size")
+    assert "--ds.zero_stage" in row("stages/dpo/index.html", "zero_stage")
     assert "--" not in row("stages/ppo/index.html", "storage_options")
+    assert "--" not in row("stages/dpo/index.html", "overlong")  # no OpenRLHF flag of that name
 
 
 def test_readme_links_into_the_docs_exist():
