@@ -72,7 +72,7 @@ def crash_dead_attempts(run_name: str, root: str) -> None:
     with get_client(sync_client=True) as client:
         running = client.read_task_runs(task_run_filter=TaskRunFilter(
             tags=TaskRunFilterTags(all_=[f"run:{run_name}"]),
-            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))))
+            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]), name=None)))
         flow_runs: dict = {}
         for tr in running:
             if tr.flow_run_id not in flow_runs:

@@ -194,14 +194,18 @@ def run_log():
 
 
 def worth_a_look(msg: str, level: int) -> bool:
-    """Whether a job's line stays at its level in the Prefect run log: warnings, the training step lines (loss,
-    tokens/s, ETA) and what the CLI prints by default (progress.Display.NOTABLE); the launcher's chatter, the
-    generate / score row counts (the progress card shows them) and empty lines go at debug level. The job's
-    own output and the CLI are unchanged."""
+    """Whether a job's line stays at its level in the Prefect run log: warnings, what the CLI prints by default
+    (progress.Display.NOTABLE) and about every tenth training step line (loss, tokens/s, ETA; the first and the
+    last); the other step lines, the launcher's chatter, the generate / score row counts (the progress card
+    shows them) and empty lines go at debug level. The job's own output and the CLI are unchanged."""
     from rlhf_core import progress
 
     ev = progress.parse(msg)
-    return level >= logging.WARNING or (ev.what == "train" if ev else msg.strip().startswith(progress.Display.NOTABLE))
+    if level >= logging.WARNING:
+        return True
+    if ev:
+        return ev.what == "train" and (ev.done in (1, ev.total) or ev.done % max(1, ev.total // 10) == 0)
+    return msg.strip().startswith(progress.Display.NOTABLE)
 
 
 class StageFailed(RuntimeError):

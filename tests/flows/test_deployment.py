@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -83,6 +84,26 @@ def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_
         report = json.loads((tmp_path / "runs" / "deployed" / "report.json").read_text())
         assert report["stop_reason"] == "completed all iterations" and len(report["iterations"]) == 2
         assert store.committed_any(str(tmp_path / "runs" / "deployed" / "iter-1" / "dpo"))
+        # what the UI shows of that flow run, from the server's API: task runs named and tagged by iteration,
+        # one card per kind (updated in place, not a version per publish), one summary line per iteration and
+        # no launcher / row-count / empty lines at INFO in the run log
+        api, run_id = f"http://127.0.0.1:{port}/api", report["flow_run_id"]
+        of_run = {"flow_runs": {"id": {"any_": [run_id]}}}
+        tasks = {t["name"]: t for t in httpx.post(f"{api}/task_runs/filter", json=of_run).json()}
+        assert {"prompts", "iter-0/eval", "iter-1/generate", "iter-1/dpo", "iter-1/eval"} <= set(tasks), sorted(tasks)
+        assert sorted(tasks["iter-1/dpo"]["tags"]) == ["iter:1", "run:deployed", "stage:dpo"]
+        cards = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}}).json()
+        assert sorted(a["key"] for a in cards) == ["iterative-dpo-iterations", "iterative-dpo-plot", "iterative-dpo-progress",
+                                                  "iterative-dpo-report"], [(a["key"], a["created"]) for a in cards]
+        rows = next(a for a in cards if a["key"] == "iterative-dpo-iterations")["data"]
+        assert [r["iteration"] for r in (json.loads(rows) if isinstance(rows, str) else rows)] == [0, 1]
+        logs = [(e["level"], e["message"]) for e in httpx.post(f"{api}/logs/filter", json={"logs": {"flow_run_id": {
+            "any_": [run_id]}}, "limit": 200}).json()]
+        said = [m for _, m in logs if m.startswith("iteration ")]
+        assert len(said) == 2 and all(re.fullmatch(r"iteration \d: gold \S+, RM \S+, KL \S+, length \S+ tokens, \d+\.\d s", m)
+                                      for m in said), said
+        noise = [m for level, m in logs if level >= 20 and (not m.strip() or "[launch.py" in m or m.startswith("progress "))]
+        assert not noise and any(m.startswith("step ") for _, m in logs), noise[:10]
         # online RL through the same worker: one small iteration of ppo/demo (its Ray job inside the flow run)
         ppo = {k: params[k] for k in ("demo", "root", "pretrain_uri", "reward_uri", "sft", "train_rm", "prompt_data",
                                       "eval_prompt_data", "gold_reward_file", "eval")}

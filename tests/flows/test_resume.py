@@ -25,21 +25,28 @@ from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifest
 pytestmark = pytest.mark.slow
 
 
-def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo", home: str = "prefect") -> subprocess.Popen:
+def _env(tmp_path: Path, home: str, marker: str = "") -> dict:
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / home), RLHF_TEST_MARKER=marker,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
     env.pop("PREFECT_API_URL", None)  # the harness's API belongs to the test process: use an ephemeral one
+    return env
+
+
+def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo", home: str = "prefect") -> subprocess.Popen:
+    env = _env(tmp_path, home, marker)
     exe = Path(sys.executable).parent / "rlhf-flows"
     return subprocess.Popen([str(exe), "run", flow, "--config", str(cfg)], env=env, start_new_session=True,
                             stdout=open(tmp_path / f"run-{marker[-4:]}.log", "w"), stderr=subprocess.STDOUT)
 
 
-def _kill_when(proc: subprocess.Popen, ready, marker: str, what: str, timeout: float = 600) -> None:
+def _kill_when(proc: subprocess.Popen, ready, marker: str, what: str, timeout: float = 600) -> float:
+    """SIGKILL the flow process once `ready()`; returns when it was killed."""
     deadline = time.time() + timeout
     while not ready():
         assert proc.poll() is None, f"flow exited ({proc.returncode}) before {what}"
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+    killed_at = time.time()
     os.kill(proc.pid, signal.SIGKILL)  # the flow process alone
     proc.wait()
     deadline = time.time() + 120
@@ -47,6 +54,7 @@ def _kill_when(proc: subprocess.Popen, ready, marker: str, what: str, timeout: f
         time.sleep(1)
     kill_marked(marker)  # after the assert's evidence is taken: never leave them to the next test
     assert not left, f"alive 120 s after the flow process was killed ({what}):\n" + "\n".join(left)
+    return killed_at
 
 
 def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
@@ -61,7 +69,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
     cfg.write_text(yaml.safe_dump(params))
 
     # 1. killed while generating: the generate prefix exists but holds no manifest
-    marker = uuid.uuid4().hex
+    began, marker = time.time(), uuid.uuid4().hex
     proc = _start(cfg, tmp_path, marker)
     gen = run / "iter-1" / "generate"
     _kill_when(proc, lambda: gen.is_dir() and not (gen / store.MANIFEST).exists(), marker, "generation")
@@ -72,8 +80,8 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
     marker = uuid.uuid4().hex
     proc = _start(cfg, tmp_path, marker)
     ckpt = run / "iter-1" / "dpo" / "checkpoints"
-    _kill_when(proc, lambda: ckpt.is_dir() and any(ckpt.rglob("*")) and not (ckpt.parent / store.MANIFEST).exists(),
-               marker, "a DPO checkpoint")
+    killed_2 = _kill_when(proc, lambda: ckpt.is_dir() and any(ckpt.rglob("*")) and not (ckpt.parent / store.MANIFEST).exists(),
+                          marker, "a DPO checkpoint")
     second = manifests(str(run))
     for k, m in first.items():
         assert (second[k].fingerprint, second[k].created_at) == (m.fingerprint, m.created_at), k
@@ -107,6 +115,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
         dpo = third["iter-1/dpo"].metrics
         assert dpo["resumed_from_step"] >= 1 and dpo["steps_done"] == dpo["planned_steps"]
         assert "iter-1/eval" in third and not (run / "_LOCK.json").exists()
+        ended = time.time()
         before = _listing(run)
     finally:
         _signal_tree(proc_a.pid, signal.SIGCONT, paused)
@@ -119,6 +128,39 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
     assert code != 0 and "now held by nobody (deleted)" in log_a, log_a[-3000:]
     after = _listing(run)
     assert after == before, {k: (before.get(k), after.get(k)) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+
+    # report.json's wall_s is the run's time over its 4 attempts; a killed attempt counts until its lock's last
+    # refresh (every lease/4 = 1.5 s): the 2nd held the run from before it committed generate until its kill
+    import json
+
+    report = json.loads((run / "report.json").read_text())
+    attempts = list(report["attempts_wall_s"].values())
+    assert len(attempts) == 4 and report["wall_s"] == pytest.approx(sum(attempts), abs=0.02), report["attempts_wall_s"]
+    assert attempts[1] >= killed_2 - (run / "iter-1" / "generate" / store.MANIFEST).stat().st_mtime - 3, attempts
+    assert sum(attempts) <= ended - began, (attempts, ended - began)
+
+    # Prefect's record of attempts 1-3 (one Prefect home): the task runs a kill -9 left Running (generate of the
+    # 1st, dpo of the 2nd) and those flow runs are Crashed, nothing is Running; the 3rd's run log says the
+    # takeover and the iteration-0 line
+    seen = json.loads(subprocess.run([sys.executable, "-c", _READ_PREFECT], capture_output=True, text=True, timeout=300, check=True,
+                                     env=dict(_env(tmp_path, "prefect"), PYTHONPATH=str(Path(__file__).resolve().parents[2]))).stdout)
+    assert not [t for t in seen["tasks"] if t[1] in ("RUNNING", "PENDING")] and not [f for f in seen["flows"] if f[1] == "RUNNING"], seen
+    crashed = [t[0] for t in seen["tasks"] if t[1] == "CRASHED" and "its attempt died" in t[2]]
+    assert "iter-1/generate" in crashed and "iter-1/dpo" in crashed, seen["tasks"]
+    assert sum(f[1] == "CRASHED" for f in seen["flows"]) == 2, seen["flows"]
+    assert any(m.startswith("took over the stale lock of run") for m in seen["logs"]), seen["logs"]
+    assert any(m.startswith("iteration 0: gold ") for m in seen["logs"]), seen["logs"]
+
+
+_READ_PREFECT = """
+import json
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as c:
+    tasks = [(t.name, t.state.type.value, t.state.message or "") for t in c.read_task_runs()]
+    flows = [(f.name, f.state.type.value) for f in c.read_flow_runs()]
+    logs = [e.message for e in c.read_logs()]
+print(json.dumps({"tasks": tasks, "flows": flows, "logs": logs}))
+"""
 
 
 def _checkpoints(ckpt: Path) -> set[str]:
