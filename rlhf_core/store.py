@@ -467,6 +467,15 @@ class ArtifactWriter:
         except (FileNotFoundError, ValueError):
             return set()
 
+    def note(self, names: set[str]) -> None:
+        """Names another process will write under this prefix (a ppo learner's upload), journalled first."""
+        self._note(names)
+
+    def add_files(self, entries: list[dict]) -> None:
+        """Files ({"path", "size"}) another process wrote under this prefix, recorded for the commit."""
+        paths = {e["path"] for e in entries}
+        self.files = [f for f in self.files if f["path"] not in paths] + list(entries)
+
     def _note(self, names: set[str]) -> None:
         """Record top-level names in the journal BEFORE writing them, so a crashed writer's files read as ours."""
         if not names <= self._journal:

