@@ -78,19 +78,24 @@ def call(stage_task_obj, cfg) -> dict:
 def _said(label: str, out: dict, started: str) -> dict:
     """One line in the run log per stage call: what it committed, or that it was committed before this call
     began (a rerun or a retry skips it)."""
-    import logging
-
-    try:
-        from prefect import get_run_logger
-
-        logger = get_run_logger()
-    except Exception:  # noqa: BLE001  outside a flow run
-        logger = logging.getLogger("rlhf_flows")
+    logger = run_logger()
     if out["created_at"] < started:
         logger.info("%s: committed at %s, skipped", label, out["finished_at"])
     else:
         logger.info("%s: committed %s", label, out["uri"])
     return out
+
+
+def run_logger():
+    """The flow run's logger (its lines are the run log in the UI); the `rlhf_flows` logger outside a flow run."""
+    import logging
+
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:  # noqa: BLE001  outside a flow run
+        return logging.getLogger("rlhf_flows")
 
 
 def task_run_label(stage: str, output_uri: str) -> tuple[str, list[str]]:

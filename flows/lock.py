@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from flows.calls import run_logger
 from rlhf_core import locks, store
 from rlhf_core.locks import LockHeld, LockLost  # noqa: F401  (what a flow run may raise)
 
@@ -32,25 +33,17 @@ def run_lock(root: str, run_name: str, lease_s: float = 120.0, storage_options: 
                      hint="; wait for it, or pick another run_name") as lease:
         with store.fence(lease.check, store.join(run_uri, LOCK), lease.me["token"], storage_options):
             if lease.took_over:
-                _logger().warning("took over the stale lock of run %s from %s (refreshed %.0fs before)", run_uri,
+                run_logger().warning("took over the stale lock of run %s from %s (refreshed %.0fs before)", run_uri,
                                   locks.describe(lease.took_over), lease.me["acquired_at"] - lease.took_over.get("refreshed_at", 0))
-            crash_dead_attempts(run_name, root)
+            try:
+                crash_dead_attempts(run_name, root)
+            except Exception as e:  # noqa: BLE001  bookkeeping in Prefect's records: never a reason to stop the run
+                run_logger().warning("could not mark a dead attempt's task runs Crashed: %s: %s", type(e).__name__, e)
             held[run_uri] = lease
             try:
                 yield lease.check
             finally:
                 held.pop(run_uri, None)
-
-
-def _logger():
-    import logging
-
-    try:
-        from prefect import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # noqa: BLE001  outside a flow run
-        return logging.getLogger("rlhf_flows")
 
 
 def crash_dead_attempts(run_name: str, root: str) -> None:
@@ -68,7 +61,7 @@ def crash_dead_attempts(run_name: str, root: str) -> None:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    log, me = _logger(), ctx.flow_run.id
+    log, me = run_logger(), ctx.flow_run.id
     with get_client(sync_client=True) as client:
         running = client.read_task_runs(task_run_filter=TaskRunFilter(
             tags=TaskRunFilterTags(all_=[f"run:{run_name}"]),

@@ -64,19 +64,11 @@ class Report:
 
     def _say(self, row: dict, seconds: float) -> None:
         """The iteration's line in the run log: `iteration 2: gold 0.412, RM 1.20, KL 0.0312, length 11.4 tokens, 35.2 s`."""
-        import logging
-
-        try:
-            from prefect import get_run_logger
-
-            logger = get_run_logger()
-        except Exception:  # noqa: BLE001  outside a flow run
-            logger = logging.getLogger("rlhf_flows")
         said = [f"{label} {row[key]:.4g}" for key, label in (("gold_reward", "gold"), ("rm_reward", "RM"), ("kl", "KL"))
                 if isinstance(row.get(key), (int, float))]
         if isinstance(row.get("response_length"), (int, float)):
             said.append(f"length {row['response_length']:.3g} tokens")
-        logger.info("iteration %s: %s", row.get("iteration"), ", ".join(said + [f"{seconds:.1f} s"]))
+        calls.run_logger().info("iteration %s: %s", row.get("iteration"), ", ".join(said + [f"{seconds:.1f} s"]))
 
     def finish(self) -> dict:
         if self.stop_reason == "running":
