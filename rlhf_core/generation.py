@@ -54,6 +54,7 @@ class EngineSpec:
 
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     batch_size: int = 64  # hf: prompts per generate call
+    max_num_seqs: int | None = None  # vllm's max_num_seqs (sequences decoded at once); hf: sequences per generate call
     tensor_parallel_size: int = 1  # vllm
     gpu_memory_utilization: float = 0.9  # vllm
     enable_prefix_caching: bool = False  # vllm
@@ -97,7 +98,7 @@ class HFEngine:
         self.device = "cuda" if _cuda() else "cpu"
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(engine.dtype)).to(self.device).eval()
-        self.batch_size = engine.batch_size
+        self.batch_size, self.max_num_seqs = engine.batch_size, engine.max_num_seqs
         self.eos_ids = models.eos_ids(self.tok, path)  # every stop id (Llama-3: <|end_of_text|> and <|eot_id|>)
         self.pad_id = models.pad_id(self.tok, path)
 
@@ -107,8 +108,10 @@ class HFEngine:
         torch.manual_seed(params.seed)
         out: list[list[dict] | None] = [None] * len(prompt_ids)
         order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))  # similar lengths batch together
-        for s in range(0, len(order), self.batch_size):
-            idx = order[s:s + self.batch_size]
+        # max_num_seqs bounds the sequences of one call (prompts x n), as vLLM's bounds those decoded at once
+        per_call = max(1, self.max_num_seqs // params.n) if self.max_num_seqs else self.batch_size
+        for s in range(0, len(order), per_call):
+            idx = order[s:s + per_call]
             width = max(len(prompt_ids[i]) for i in idx)
             ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)  # (B, T) left padded
             mask = torch.zeros((len(idx), width), dtype=torch.long)
@@ -145,6 +148,19 @@ class HFEngine:
         return out  # type: ignore[return-value]
 
 
+def vllm_kwargs(engine: EngineSpec, path: str, dtype: str, cuda: bool) -> dict:
+    """vllm.LLM's arguments for `engine` (a pure function: the tests read what the engine is given)."""
+    kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=engine.tensor_parallel_size,
+                  enable_prefix_caching=engine.enable_prefix_caching, enforce_eager=not cuda, seed=0)
+    if cuda:
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    if engine.max_model_len:
+        kwargs["max_model_len"] = engine.max_model_len
+    if engine.max_num_seqs:
+        kwargs["max_num_seqs"] = engine.max_num_seqs
+    return kwargs
+
+
 class VLLMEngine:
     """vllm.LLM. One instance per Ray actor (or in-process)."""
 
@@ -158,14 +174,7 @@ class VLLMEngine:
         from transformers import AutoTokenizer
 
         self.eos_ids = models.eos_ids(AutoTokenizer.from_pretrained(path), path)
-        kwargs = dict(model=path, dtype=dtype,
-                      tensor_parallel_size=engine.tensor_parallel_size,
-                      enable_prefix_caching=engine.enable_prefix_caching, enforce_eager=not cuda, seed=0)
-        if cuda:
-            kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
-        if engine.max_model_len:
-            kwargs["max_model_len"] = engine.max_model_len
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**vllm_kwargs(engine, path, dtype, cuda))
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingSpec, logprobs: bool = True,
                  first_index: int = 0) -> list[list[dict]]:

@@ -55,13 +55,16 @@ class Config(StageConfig):
     num_engines: int = Field(1, ge=0, description="Ray actors running the backend (0 = in this process, no Ray).")
     ray_address: str | None = Field(None, description="Join this Ray cluster; default: a local Ray for the stage.")
     batch_size: int = Field(64, ge=1, description="hf: prompts per generate call.")
+    max_num_seqs: int | None = Field(None, ge=1, description="vllm: the engine's max_num_seqs (sequences decoded at "
+                                     "once, --max_num_seqs); hf: sequences (prompts x best_of_n) per generate call, "
+                                     "in place of batch_size.")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs per engine.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vllm: fraction of GPU memory.")
     enable_prefix_caching: bool = Field(False, description="vllm: share KV cache of common prompt prefixes.")
     stall_timeout_s: float = Field(3600.0, gt=0, description="Fail naming the stage when no engine finishes for this long.")
 
-    runtime_fields = StageConfig.runtime_fields | {"num_engines", "ray_address", "batch_size", "tensor_parallel_size",
-                                                   "gpu_memory_utilization", "enable_prefix_caching", "stall_timeout_s"}
+    runtime_fields = StageConfig.runtime_fields | {"num_engines", "ray_address", "batch_size", "max_num_seqs",
+                                                   "tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_caching", "stall_timeout_s"}
 
     @field_validator("backend")
     @classmethod
@@ -145,7 +148,8 @@ def run(cfg: Config) -> store.Manifest:
     # 3. sample
     params = SamplingSpec(n=cfg.best_of_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=max(cfg.top_k, 0),
                           max_new_tokens=cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty, seed=cfg.seed)
-    engine = EngineSpec(dtype=cfg.dtype, batch_size=cfg.batch_size, tensor_parallel_size=cfg.tensor_parallel_size,
+    engine = EngineSpec(dtype=cfg.dtype, batch_size=cfg.batch_size, max_num_seqs=cfg.max_num_seqs,
+                        tensor_parallel_size=cfg.tensor_parallel_size,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         enable_prefix_caching=cfg.enable_prefix_caching,
                         max_model_len=max(len(p) for p in prompt_ids) + cfg.max_new_tokens,

@@ -124,3 +124,25 @@ def test_condition_template_samples_under_the_condition_and_keeps_the_plain_prom
     with pytest.raises(ConfigError, match="condition_template 'A' has no {prompt} placeholder"):
         load_config(generate.Config, overrides=[f"policy_uri={tiny.policy_uri}", "prompts_uri=x", "output_uri=y",
                                                 "condition_template=A"])
+
+
+def test_max_num_seqs_bounds_the_sequences_per_forward(tiny):
+    """max_num_seqs (vLLM's --max_num_seqs): hf runs at most that many sequences (prompts x best_of_n) through each
+    forward; vllm.LLM is given it. 5 prompts x n 2 with max_num_seqs 4: calls of 2, 2, 1 prompts -> rows 4, 4, 2
+    per forward; without it (batch_size 64) one call of 10 rows."""
+    from rlhf_core.generation import EngineSpec, HFEngine, SamplingSpec, vllm_kwargs
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    params = SamplingSpec(n=2, max_new_tokens=3, seed=0)
+    seen = {}
+    for bound in (4, None):
+        eng = HFEngine(tiny.policy_dir, EngineSpec(dtype="float32", max_num_seqs=bound))
+        rows = seen[bound] = []
+        eng.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+        out = eng.generate(prompts, params)
+        assert [len(o) for o in out] == [2] * 5
+    assert max(seen[4]) == 4 and sorted(set(seen[4])) == [2, 4] and set(seen[None]) == {10}
+    assert vllm_kwargs(EngineSpec(max_num_seqs=4), "m", "float32", False)["max_num_seqs"] == 4
+    assert "max_num_seqs" not in vllm_kwargs(EngineSpec(), "m", "float32", False)
+    cfg = generate.Config(policy_uri="p", prompts_uri="q", output_uri="o", max_num_seqs=4)
+    assert "max_num_seqs" not in cfg.semantic()  # how it runs, not what is sampled
