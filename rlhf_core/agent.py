@@ -16,8 +16,11 @@ model's tokens carry loss (`action_mask` 1), feedback tokens are context (0). An
 reward and score are its last step's (OpenRLHF's executor sums `rewards` over the turns; its examples give
 0 before the terminal turn, where both agree); `extra_logs` of the last step become metrics.
 Files written for OpenRLHF run after changing `from openrlhf.utils.agent import ...` to
-`from rlhf_core.agent import ...`; an `AgentExecutor` class the file may define is not used (the executor
-here is the project's own).
+`from rlhf_core.agent import ...`; an `AgentExecutor` class an agent_func_path file may define is not used
+(the executor here is the project's own). A file named by ppo's `agent_executor_path` instead defines
+`AgentExecutor` (OpenRLHF's AgentExecutorBase: `async execute(prompt, label, sampling_params, max_length,
+hf_tokenizer, llm_engine)`): CustomExecutor runs it for every episode, with `llm_engine` an EngineHandle over
+the rollout engines (vLLM's generate shape, token in, token out), and its reward is the episode's.
 
 Without an agent file (the single-turn default) an episode is one generation, done; the stage's reward
 source (reward_func, reward model, remote server) then scores every episode in one batch. Same executor,
@@ -57,10 +60,19 @@ class AgentInstanceBase(ABC):
 
 
 class AgentExecutorBase(ABC):
-    """Present so that OpenRLHF agent files defining `AgentExecutor(AgentExecutorBase)` import; not used."""
+    """OpenRLHF's executor contract (openrlhf/utils/agent.py AgentExecutorBase): `execute` runs one episode,
+    token in, token out. A file named by ppo's agent_executor_path defines `AgentExecutor` of this shape
+    (CustomExecutor runs it); in an agent_func_path file an AgentExecutor is not used."""
 
     def __init__(self, *args, **kwargs):
         pass
+
+    @abstractmethod
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        """-> {"observation_tokens": prompt + every action and feedback token, "action_ranges": [(start, end)]
+        of the model's tokens in them, "rollout_log_probs": one per observation token (0 outside actions) or
+        None, "reward": float, "scores" (optional), "extra_logs" (optional)}."""
+        raise NotImplementedError
 
 
 MultiTurnAgentExecutor = SingleTurnAgentExecutor = AgentExecutorBase  # OpenRLHF's executor names, same role
@@ -92,18 +104,34 @@ class SamplingParams:
 REQUIRED = ("rewards", "done", "environment_feedback")
 
 
-def load_agent(path: str) -> type:
-    """The `AgentInstance` class of an agent file; AgentError naming the file when it has none."""
+def _import(path: str, key: str):
     p = Path(path)
     if not p.is_file():
-        raise AgentError(f"agent_func_path {path}: no such file")
+        raise AgentError(f"{key} {path}: no such file")
     spec = importlib.util.spec_from_file_location(f"rlhf_agent_{abs(hash(str(p.resolve())))}", str(p))
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
     except Exception as e:  # the user's file: any import error
-        raise AgentError(f"agent_func_path {path}: importing it failed: {type(e).__name__}: {e}") from e
-    cls = getattr(mod, "AgentInstance", None)
+        raise AgentError(f"{key} {path}: importing it failed: {type(e).__name__}: {e}") from e
+    return mod
+
+
+def load_executor(path: str) -> type:
+    """The `AgentExecutor` class of an agent_executor_path file (OpenRLHF's AgentExecutorBase shape: an
+    `async def execute(...)`); AgentError naming the file when it has none."""
+    cls = getattr(_import(path, "agent_executor_path"), "AgentExecutor", None)
+    if not inspect.isclass(cls) or not inspect.iscoroutinefunction(getattr(cls, "execute", None)):
+        raise AgentError(f"agent_executor_path {path} defines no class AgentExecutor with `async def execute(self, "
+                         f"prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None)` "
+                         f"(OpenRLHF's AgentExecutorBase)")
+    cls.__agent_path__, cls.__is_executor__ = str(path), True
+    return cls
+
+
+def load_agent(path: str) -> type:
+    """The `AgentInstance` class of an agent file; AgentError naming the file when it has none."""
+    cls = getattr(_import(path, "agent_func_path"), "AgentInstance", None)
     if not inspect.isclass(cls):
         raise AgentError(f"agent_func_path {path} defines no class AgentInstance (OpenRLHF's contract: "
                          f"class AgentInstance(AgentInstanceBase) with async reset(states) and async step(states))")
@@ -297,6 +325,80 @@ class Executor:
     async def run(self, items: list[tuple[int, str, list[int], object]], what=None) -> list[Episode]:
         """items: (index, prompt text, prompt ids, label) per episode -> episodes in the same order. `what(k)`
         describes item k for errors."""
+        tasks = [self.episode(i, p, ids, lab, what(k) if what else "") for k, (i, p, ids, lab) in enumerate(items)]
+        return list(await asyncio.gather(*tasks))
+
+
+class EngineHandle:
+    """The `llm_engine` a custom executor gets: `await generate(prompt_token_ids, sampling_params)` returns an
+    object shaped like vLLM's RequestOutput (`.outputs[0].token_ids`, `.text`, `.logprobs` as one
+    {token_id: obj with .logprob} per token, `.finish_reason`), served by the run's rollout engines."""
+
+    def __init__(self, client: EngineClient, decode, max_new_tokens: int):
+        self.client, self.decode, self.max_new_tokens = client, decode, max_new_tokens
+
+    async def generate(self, prompt_token_ids, sampling_params, **kwargs):
+        from types import SimpleNamespace as NS
+
+        sp = SamplingParams.coerce(sampling_params)
+        max_new = min(self.max_new_tokens, sp.max_tokens or self.max_new_tokens)
+        if max_new <= 0:
+            raise AgentError(f"generate asked for {sp.max_tokens} new tokens")
+        out = await self.client.generate(list(prompt_token_ids), sp.key(max_new))
+        ids = list(out["ids"])
+        lps = [{t: NS(logprob=lp)} for t, lp in zip(ids, out["logprobs"])]
+        return NS(prompt_token_ids=list(prompt_token_ids), outputs=[
+            NS(token_ids=ids, text=self.decode(ids), logprobs=lps, finish_reason=out["finish_reason"])])
+
+
+@dataclass
+class CustomExecutor:
+    """Runs each episode with a user's `AgentExecutor.execute` (ppo's agent_executor_path) instead of Executor,
+    and turns its result (OpenRLHF's final_response) into an Episode: the tokens before the first action are the
+    prompt, the rest the response; action_mask 1 inside `action_ranges`; `reward` is the episode's reward."""
+    client: EngineClient
+    tokenizer: object
+    decode: object
+    sampling: SamplingParams
+    max_new_tokens: int
+    executor_cls: type
+
+    async def episode(self, index: int, prompt: str, prompt_ids: list[int], label, what: str = "") -> Episode:
+        name = f"{self.executor_cls.__agent_path__}: episode {index}{what}"
+        sp = copy.copy(self.sampling)
+        sp.max_tokens = self.max_new_tokens
+        try:
+            res = await self.executor_cls().execute(prompt, label, sp, len(prompt_ids) + self.max_new_tokens,
+                                                    self.tokenizer, EngineHandle(self.client, self.decode,
+                                                                                 self.max_new_tokens))
+        except AgentError:
+            raise
+        except Exception as e:
+            raise AgentError(f"{name}: execute raised {type(e).__name__}: {e}") from e
+        missing = [k for k in ("observation_tokens", "action_ranges", "reward") if not isinstance(res, dict) or k not in res]
+        if missing:
+            raise AgentError(f"{name}: execute's result lacks {missing} (OpenRLHF's final_response keys)")
+        obs, ranges = [int(t) for t in res["observation_tokens"]], [tuple(r) for r in res["action_ranges"]]
+        if not ranges:
+            raise AgentError(f"{name}: no action_ranges (the model generated nothing)")
+        start = ranges[0][0]
+        ep = Episode(index=index, prompt_ids=obs[:start], ids=obs[start:], turns=len(ranges), finish_reason="done")
+        if len(ep.ids) > self.max_new_tokens:
+            raise AgentError(f"{name}: {len(ep.ids)} tokens after the prompt, more than generate_max_len "
+                             f"{self.max_new_tokens}")
+        ep.action_mask = [0] * len(ep.ids)
+        for a, b in ranges:
+            ep.action_mask[a - start:b - start] = [1] * (b - a)
+        lps = res.get("rollout_log_probs")
+        if lps is not None and len(lps) != len(obs):
+            raise AgentError(f"{name}: {len(lps)} rollout_log_probs for {len(obs)} observation_tokens")
+        ep.logprobs = [float(x) for x in lps[start:]] if lps is not None else [0.0] * len(ep.ids)
+        ep.reward = _number(res["reward"], f"{name}: 'reward'")
+        ep.score = _number(res["scores"], f"{name}: 'scores'") if res.get("scores") is not None else ep.reward
+        ep.extra_logs = _scalar_logs(res.get("extra_logs"))
+        return ep
+
+    async def run(self, items: list[tuple[int, str, list[int], object]], what=None) -> list[Episode]:
         tasks = [self.episode(i, p, ids, lab, what(k) if what else "") for k, (i, p, ids, lab) in enumerate(items)]
         return list(await asyncio.gather(*tasks))
 

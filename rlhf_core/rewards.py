@@ -115,6 +115,56 @@ def check_reward_model(path: str | Path, value_head_prefix: str = "value_head", 
                       f"and its weights have no {value_head_prefix!r}.weight value head")
 
 
+def head_prefix(path: str | Path, default: str) -> str:
+    """The value head's weight name of an OpenRLHF-format reward model: its config.json's `value_head_prefix`
+    (OpenRLHF's train_rm saves it there), else `default`."""
+    return json.loads((Path(path) / "config.json").read_text()).get("value_head_prefix") or default
+
+
+def value_head_as_seq_cls(path: str | Path, prefix: str, out: str | Path) -> str:
+    """An OpenRLHF-format reward model (backbone under the model's base_model_prefix + a bias-free
+    `{prefix}.weight` Linear(hidden, 1); openrlhf/models/model.py _get_reward_model) rewritten at `out` as the
+    *ForSequenceClassification folder transformers loads: the head renamed `score.weight` (its Linear(hidden,
+    1, bias=False) is the same layer), num_labels 1, an lm_head dropped. The weights are unchanged."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path, out = Path(path), Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in path.iterdir():  # tokenizer and generation files; the weights and config are rewritten below
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")) \
+                and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    sd = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            sd.update({k: st.get_tensor(k) for k in st.keys()})
+    sd["score.weight"] = sd.pop(f"{prefix}.weight")
+    cfg = AutoConfig.from_pretrained(path, num_labels=1)
+    cls = AutoModelForSequenceClassification._model_mapping[type(cfg)]
+    base = cls.base_model_prefix
+    keep = {}
+    for k, v in sd.items():
+        if k.startswith("lm_head."):
+            continue
+        keep[k if k == "score.weight" or k.startswith(base + ".") else f"{base}.{k}"] = v.contiguous()
+    cfg.architectures = [cls.__name__]
+    cfg.save_pretrained(out)
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def combine_rewards(each: list[list[float]], agg: str = "sum") -> list[float]:
+    """The rewards of several reward models # (n_models, B) -> (B,): sum, as OpenRLHF's reward_fn
+    (openrlhf/cli/train_ppo_ray.py v0.6-v0.7: `torch.stack(rewards).sum(dim=0)`), or mean."""
+    total = [sum(col) for col in zip(*each)]
+    return total if agg == "sum" else [t / len(each) for t in total]
+
+
 def _norm_stats(cfg) -> tuple[float, float] | None:
     if getattr(cfg, "reward_mean", None) is not None and getattr(cfg, "reward_std", None) is not None:
         return float(cfg.reward_mean), float(cfg.reward_std)
@@ -134,7 +184,8 @@ class RMEngine:
         from rlhf_core.train.batches import Encoder
 
         path = _local_model(model, spec.storage_options)
-        kind = check_reward_model(path, spec.value_head_prefix, spec.prm_tokens)
+        prefix = head_prefix(path, spec.value_head_prefix)
+        kind = check_reward_model(path, prefix, spec.prm_tokens)
         self.device = "cuda" if _cuda() else "cpu"
         dtype = _torch_dtype(spec.dtype)
         self.tok = AutoTokenizer.from_pretrained(path)
@@ -165,8 +216,8 @@ class RMEngine:
             w = None
             for f in sorted(Path(path).glob("*.safetensors")):
                 with safe_open(str(f), "pt") as st:
-                    if f"{spec.value_head_prefix}.weight" in st.keys():
-                        w = st.get_tensor(f"{spec.value_head_prefix}.weight")
+                    if f"{prefix}.weight" in st.keys():
+                        w = st.get_tensor(f"{prefix}.weight")
             self.head = torch.nn.Linear(w.shape[1], 1, bias=False, dtype=dtype)
             self.head.weight.data.copy_(w.to(dtype))
         self.offload = offload and self.device == "cuda"
@@ -235,6 +286,9 @@ class RMEngine:
                 out[i] = v if self.stats is None else (v - self.stats[0]) / self.stats[1]
         return [(v, None) for v in out]
 
+    def score_each(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[list[float]]:
+        return [self.score(pairs, finished)]
+
     def _rate_steps(self, pairs: list[tuple[str, str]]) -> list[tuple[float, list[float]]]:
         """A PRM's step rewards P(positive reward token) at each placeholder, and their prm_aggregate."""
         import torch
@@ -260,6 +314,22 @@ class RMEngine:
             for j, i in enumerate(idx):
                 out[i] = [v for v, b in zip(p, sample.tolist()) if b == j]
         return [(prm.aggregate(v, self.spec.prm_aggregate), v) for v in out]
+
+
+class RMEnsemble:
+    """Several reward models in one actor (ppo's reward_model_uri "a,b", OpenRLHF's --reward_pretrain a,b):
+    each scores every pair (`score_each` # (n_models, B)); the driver combines them (combine_rewards)."""
+
+    def __init__(self, models: list[str], spec: RewardSpec, offload: bool = False):
+        self.engines = [RMEngine(m, spec, offload) for m in models]
+
+    def score_each(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[list[float]]:
+        return [e.score(pairs, finished) for e in self.engines]
+
+    def peak_memory_gb(self) -> float:
+        from rlhf_core.ppo.roles import peak_memory_gb
+
+        return peak_memory_gb()
 
 
 def mark_steps(response: str, separator: str, placeholder: str) -> str:

@@ -33,7 +33,7 @@ import torch
 
 from rlhf_core import agent, data, model_inputs, models, rl_math, store
 from rlhf_core.generation import model_input
-from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards
+from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
 from rlhf_core.train import checkpoints
 from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig, stage_task
@@ -164,8 +164,33 @@ class Config(StageConfig):
                                                    "(--rollout_max_tokens_per_gpu).")
     adam_offload: bool = Field(False, description="Optimizer states on the CPU (ZeRO offload) in the learners "
                                "(--adam_offload).")
+    # ---- PTX, several reward models, an OpenRLHF critic, HF checkpoints, a custom executor (issue 27)
+    pretrain_data: str | None = Field(None, description="PTX (--pretrain_data): SFT-format data, a committed `sft` "
+                                      "artifact or raw sources (input_key / output_key, as the sft stage reads them); "
+                                      "every policy micro-batch adds ptx_coef x the NLL of micro_train_batch_size of "
+                                      "its rows, every token (OpenRLHF's pretrain_mode), to the actor loss.")
+    pretrain_data_probs: str | None = Field(None, description="Mixing probabilities of comma-separated pretrain_data.")
+    output_key: str | None = Field("output", description="pretrain_data raw sources: key of the response (None: "
+                                   "the input_key text alone, continued pretraining).")
+    ptx_coef: float = Field(0.05, ge=0, description="Weight of the PTX loss (--ptx_coef, OpenRLHF's default 0.05); "
+                            "0 turns it off. Without pretrain_data it does nothing.")
+    reward_models_agg: Literal["sum", "mean"] = Field(
+        "sum", description="How the rewards of several reward models (reward_model_uri 'a,b') combine: sum, as "
+        "OpenRLHF's reward_fn (torch.stack(rewards).sum(dim=0)), or mean.")
+    value_head_prefix: str = Field("score", description="Weight name of the value head of an OpenRLHF-format reward "
+                                   "model (backbone + `{prefix}.weight`; --value_head_prefix, OpenRLHF's default "
+                                   "score; the model's config.json `value_head_prefix` wins): read as a reward model "
+                                   "and as the critic's initialisation.")
+    save_hf_ckpt: bool = Field(False, description="With each checkpoint (save_steps), the policy as an HF folder in "
+                               "the artifact under hf_checkpoints/step-N/ (--save_hf_ckpt); kept after the run.")
+    agent_executor_path: str | None = Field(None, description="Python file defining `AgentExecutor`, OpenRLHF's "
+                                            "AgentExecutorBase shape: `async execute(prompt, label, sampling_params, "
+                                            "max_length, hf_tokenizer, llm_engine)` returning observation_tokens, "
+                                            "action_ranges, rollout_log_probs, reward, scores, extra_logs; it runs "
+                                            "each episode instead of the built-in executor and its rewards are used.")
     # runtime: placement and bookkeeping, left out of the fingerprint
-    vllm_num_engines: int = Field(1, ge=1, description="Rollout engines (Ray actors).")
+    vllm_num_engines: int = Field(1, ge=0, description="Rollout engines (Ray actors). 0: policy rank 0 generates with "
+                                  "its own model (transformers generate, as OpenRLHF without vLLM), no weight sync.")
     vllm_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="vllm on CUDA: the fraction of its "
                                                "GPU an engine takes (--vllm_gpu_memory_utilization, OpenRLHF's "
                                                "default 0.95); lower it when roles share a GPU (colocate_all_models).")
@@ -182,7 +207,7 @@ class Config(StageConfig):
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-        "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep",
+        "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
@@ -194,11 +219,16 @@ class Config(StageConfig):
             raise ValueError(f"advantage_estimator {est} needs n_samples_per_prompt >= 2 (got {n}): its baseline "
                              f"compares samples of the same prompt")
         given = [k for k in ("reward_model_uri", "reward_func_path", "remote_rm_url") if getattr(self, k)]
-        if self.agent_func_path and given:
-            raise ValueError(f"agent_func_path gives the rewards (its step's 'rewards'): drop {given}")
-        if len(given) != 1 and not self.agent_func_path:
+        if self.agent_func_path and self.agent_executor_path:
+            raise ValueError("agent_func_path (an AgentInstance for the built-in executor) and agent_executor_path "
+                             "(an executor of its own) both run the episodes: set one")
+        agent_file = self.agent_func_path or self.agent_executor_path
+        if agent_file and given:
+            raise ValueError(f"{'agent_func_path' if self.agent_func_path else 'agent_executor_path'} gives the "
+                             f"rewards (the episode's 'rewards'): drop {given}")
+        if len(given) != 1 and not agent_file:
             raise ValueError(f"set exactly one reward source of reward_model_uri, reward_func_path, remote_rm_url "
-                             f"(got {given or 'none'}), or an agent_func_path")
+                             f"(got {given or 'none'}), or an agent_func_path / agent_executor_path")
         if est == "gae" and not (self.critic_uri or self.reward_model_uri):
             raise ValueError("advantage_estimator gae needs a critic: set critic_uri (critic_pretrain) or a "
                              "reward_model_uri to initialise it from")
@@ -228,6 +258,8 @@ class Config(StageConfig):
         if est in rl_math.GROUPED and self.gamma != 1:
             raise ValueError(f"advantage_estimator {est} needs gamma 1 (got {self.gamma}): its group baseline is "
                              f"on the sequence score (OpenRLHF forces gamma to 1 for it)")
+        if self.save_hf_ckpt and not self.save_steps:
+            raise ValueError("save_hf_ckpt writes an HF folder with each checkpoint: save_steps is 0 (no checkpoint)")
         if self.normalize_reward and not self.reward_model_uri:
             raise ValueError("normalize_reward applies a reward model's stored mean/std: there is no "
                              "reward_model_uri; use running_reward_norm for a running normalisation")
@@ -259,7 +291,16 @@ class Config(StageConfig):
             raise ValueError(f"{', '.join(given)}: settings of vLLM engines, and rollout_backend is hf (transformers "
                              f"generate has none of them); set rollout_backend vllm or drop them")
         tp, world = self.vllm_tensor_parallel_size, self.actor_num_nodes * self.actor_num_gpus_per_node
-        if self.colocate_all_models and world % (self.vllm_num_engines * tp):
+        if self.vllm_num_engines == 0:  # OpenRLHF without vLLM generates with the actor's own model
+            why = [w for w, bad in (
+                ("rollout_backend vllm (the learner generates with transformers)", self.rollout_backend != "hf"),
+                ("async_train (a learner runs one call at a time: it cannot generate while it trains)", self.async_train),
+                ("zero_stage 3 with several policy ranks (rank 0 alone generates; ZeRO-3's forwards gather "
+                 "parameters on every rank)", self.zero_stage == 3 and world > 1)) if bad]
+            if why:
+                raise ValueError(f"vllm_num_engines 0 (policy rank 0 generates the rollouts with its own model) "
+                                 f"cannot be used with {'; '.join(why)}")
+        elif self.colocate_all_models and world % (self.vllm_num_engines * tp):
             raise ValueError(f"vllm_tensor_parallel_size {tp} x vllm_num_engines {self.vllm_num_engines} does not "
                              f"divide the {world} policy GPUs that the engines share with colocate_all_models (one "
                              f"TP rank per GPU)")
@@ -352,17 +393,42 @@ def load_prompts(cfg: Config, tok) -> tuple[list[dict], list[list[int]], int]:
     return rows, [models.keep_last(x, cfg.prompt_max_len, tok.bos_token_id if bos else None) for x in ids], cut
 
 
+def load_pretrain(cfg: Config, tok, policy_dir) -> list[list[int]]:
+    """PTX rows (OpenRLHF's --pretrain_data in pretrain_mode): the token ids of input + output (+ EOS), at most
+    prompt_max_len + generate_max_len tokens (OpenRLHF's max_len), from a committed sft artifact or raw sources."""
+    from rlhf_core.train import batches
+
+    uris = [u.strip() for u in cfg.pretrain_data.split(",") if u.strip()]
+    if len(uris) == 1 and store.committed_any(uris[0], cfg.storage_options):
+        table = store.read_table(uris[0], storage_options=cfg.storage_options)
+        data.validate_table(table, "sft", uris[0])
+        rows = table.to_pylist()[:cfg.max_samples]
+    else:
+        fmt = data.Format(input_key=cfg.input_key, output_key=cfg.output_key, apply_chat_template=cfg.apply_chat_template,
+                          input_template=cfg.input_template)
+        raw = data.load_mixture(uris, cfg.pretrain_data_probs, cfg.max_samples, cfg.seed, cfg.storage_options)
+        rows = data.sft_rows(raw, fmt, tok)
+    recs, _ = batches.tokenize_sft(rows, tok, cfg.prompt_max_len + cfg.generate_max_len, pretrain_mode=True,
+                                   where=f"pretrain_data {cfg.pretrain_data}", model_dir=policy_dir)
+    if not recs:
+        raise data.DataError(f"pretrain_data {cfg.pretrain_data}: no rows")
+    return [r["ids"] for r in recs]
+
+
 def run(cfg: Config) -> store.Manifest:
     from rlhf_core.ppo import loop
 
     # 1. lineage, and the skip
-    critic_src = cfg.critic_uri or (cfg.reward_model_uri if cfg.advantage_estimator == "gae" else None)
+    rms = [u.strip() for u in (cfg.reward_model_uri or "").split(",") if u.strip()]  # --reward_pretrain a,b
+    critic_src = cfg.critic_uri or (rms[0] if rms and cfg.advantage_estimator == "gae" else None)  # OpenRLHF: the first
     inputs = {"policy": model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options),
               "prompts": store.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
-    for name, uri in (("reward_model", cfg.reward_model_uri), ("critic", critic_src)):
+    for name, uri in [(f"reward_model{i or ''}", u) for i, u in enumerate(rms)] + [("critic", critic_src)]:
         if uri:
             inputs[name] = model_inputs.model_manifest(uri, cfg.storage_options)
-    for name in ("reward_func_path", "agent_func_path"):
+    if cfg.pretrain_data and cfg.ptx_coef > 0:
+        inputs["pretrain_data"] = store.source_manifest(cfg.pretrain_data.split(",")[0], cfg.storage_options)
+    for name in ("reward_func_path", "agent_func_path", "agent_executor_path"):
         if getattr(cfg, name):
             inputs[name.removesuffix("_path")] = store.source_manifest(getattr(cfg, name), cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "ppo", cfg.semantic(), inputs, cfg.storage_options)
@@ -379,26 +445,30 @@ def run(cfg: Config) -> store.Manifest:
     # driver's copies (its own cache) serve the checks here
     dirs = {"policy": cfg.policy_uri, "reference": cfg.policy_uri if cfg.init_kl_coef > 0 else None,
             "critic": critic_src, "reward_model": cfg.reward_model_uri}
-    if cfg.reward_model_uri:
-        check_reward_model(str(model_input(cfg.reward_model_uri, cfg.storage_options)[0]))
+    for uri in rms:
+        check_reward_model(rm_dir := str(model_input(uri, cfg.storage_options)[0]), head_prefix(rm_dir, cfg.value_head_prefix))
     if critic_src:
         critic_dir = str(model_input(critic_src, cfg.storage_options)[0])
         try:  # kept a clear error (OpenRLHF's --critic_pretrain would also grow a value head on a causal LM)
-            kind = check_reward_model(critic_dir)
+            kind = check_reward_model(critic_dir, head_prefix(critic_dir, cfg.value_head_prefix))
         except RewardError as e:
             kind = str(e)
-        if kind != "seq_cls":
-            raise ConfigError(f"critic {critic_src} must be a *ForSequenceClassification model (its score head "
-                              f"becomes the value head): {kind}")
+        if kind not in ("seq_cls", "value_head"):
+            raise ConfigError(f"critic {critic_src} must be a *ForSequenceClassification model or an OpenRLHF-format "
+                              f"reward model (backbone + {cfg.value_head_prefix}.weight; its head becomes the value "
+                              f"head): {kind}")
         if tokenizer_id(ctok := models.load_tokenizer(critic_dir, where=critic_src)) != tokenizer_id(tok):
             raise ConfigError(f"critic {critic_src} uses a different tokenizer than policy {cfg.policy_uri} "
                               f"({tokenizer_id(ctok)} vs {tokenizer_id(tok)}): it cannot value the policy's tokens")
     spec = RewardSpec(model=dirs["reward_model"], func_path=cfg.reward_func_path, remote_url=cfg.remote_rm_url,
+                      value_head_prefix=cfg.value_head_prefix,
                       max_len=cfg.reward_max_len, storage_options=cfg.storage_options, normalize=cfg.normalize_reward,
                       dtype="bfloat16" if cfg.bf16 else "float32",
                       batch_size=cfg.micro_rollout_batch_size or cfg.micro_train_batch_size)
     agent_cls = None
-    if cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
+    if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.agent.CustomExecutor)
+        agent_cls = agent.load_executor(cfg.agent_executor_path)
+    elif cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
         agent_cls = agent.load_agent(cfg.agent_func_path)
         probe = rows[:cfg.rollout_batch_size]
         agent.run_sync(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
@@ -409,6 +479,10 @@ def run(cfg: Config) -> store.Manifest:
         except RewardError as e:
             raise RewardError(f"{e} (probe before training: the first {len(probe)} prompts with empty responses)") from None
 
+    pretrain = None
+    if cfg.pretrain_data and cfg.ptx_coef > 0:  # PTX: tokenized here, every token is a target (pretrain_mode)
+        pretrain = load_pretrain(cfg, tok, policy_dir)
+
     # 3. train on Ray (resuming from the store's latest checkpoint), then commit
     w.begin()  # checkpoints/ is kept: a rerun resumes from it
     work = store.cache_root() / "ppo" / w.fingerprint
@@ -416,7 +490,7 @@ def run(cfg: Config) -> store.Manifest:
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir), tok, dirs, spec, work, ckpt_uri,
-                        w.fingerprint, cfg.storage_options, agent_cls, w)  # policy rank 0 uploads the model into w
+                        w.fingerprint, cfg.storage_options, agent_cls, w, pretrain)  # rank 0 uploads the model into w
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
     history = result.pop("history")

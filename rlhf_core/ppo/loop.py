@@ -48,6 +48,7 @@ class State:
     kl_coef: float = 0.0
     moments: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
+    hf_files: list = field(default_factory=list)  # save_hf_ckpt: the HF folders uploaded so far, for the commit
 
 
 def collate(prompt_ids: list[list[int]], responses: list[list[int]], pad_id: int,
@@ -105,13 +106,15 @@ def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: l
     `finished` False: the response was cut by generate_max_len (the reward model then scores it without EOS)."""
     import ray
 
-    from rlhf_core.rewards import RewardError, check_finite, compute_rewards
+    from rlhf_core.rewards import RewardError, check_finite, combine_rewards, compute_rewards
 
     try:
-        if roles.reward is not None:
-            out = ray.get(roles.reward.score.remote(list(zip(prompts, responses)), finished))
+        if roles.reward is not None:  # every reward model scores; several combine as reward_models_agg says
+            each = ray.get(roles.reward.score_each.remote(list(zip(prompts, responses)), finished))
+            out = combine_rewards(each, cfg.reward_models_agg)
             check_finite(out, f"reward model {reward_spec.model}")
-            return out, out, {}
+            per_rm = {f"rm{i}": sum(e) / len(e) for i, e in enumerate(each)} if len(each) > 1 else {}
+            return out, out, per_rm
         r = compute_rewards(reward_spec, prompts, responses, labels)
         return r.rewards, r.scores or r.rewards, r.extra_logs
     except RewardError as e:
@@ -126,8 +129,9 @@ def learner_settings(cfg) -> dict:
             "max_epochs", "generate_max_len", "dual_clip", "use_kl_loss", "kl_estimator", "entropy_loss_coef",
             "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop",
             "temperature", "deepspeed_enable_sleep", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload",
-            "packing_samples", "use_dynamic_batch", "train_max_tokens_per_gpu", "adam_offload")
+            "packing_samples", "use_dynamic_batch", "train_max_tokens_per_gpu", "adam_offload", "value_head_prefix")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
+            "ptx_coef": cfg.ptx_coef if cfg.pretrain_data else 0.0,
             "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,
             "rollout_max_tokens_per_gpu": cfg.rollout_max_tokens_per_gpu or cfg.train_max_tokens_per_gpu,
             "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
@@ -136,9 +140,13 @@ def learner_settings(cfg) -> dict:
 def executor(cfg, roles: Roles, tok, agent_cls, step: int):
     """The agent executor of one step over the run's rollout engines (rlhf_core.agent)."""
     from rlhf_core import models
-    from rlhf_core.agent import EngineClient, Executor, SamplingParams
+    from rlhf_core.agent import CustomExecutor, EngineClient, Executor, SamplingParams
 
     bos = models.adds_bos(tok)
+    if getattr(agent_cls, "__is_executor__", False):  # agent_executor_path: the file's executor runs each episode
+        return CustomExecutor(EngineClient(roles.rollouts, cfg.seed * 101 + step), tok,
+                              lambda ids: tok.decode(ids, skip_special_tokens=True),
+                              SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), cfg.generate_max_len, agent_cls)
     return Executor(EngineClient(roles.rollouts, cfg.seed * 101 + step),
                     encode=lambda text: tok(text, add_special_tokens=False).input_ids,
                     encode_prompt=lambda text: models.keep_last(models.prompt_ids(tok, text, bos), cfg.prompt_max_len,
@@ -233,13 +241,14 @@ def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
 
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, tok, dirs: dict, reward_spec,
           work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None,
-          writer=None) -> dict:
+          writer=None, pretrain: list[list[int]] | None = None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` names the
     models (a local folder, or a committed artifact / plain HF folder URI each role fetches into its own node's
     cache): policy, critic (gae) or None, reference (KL term) or None, reward_model or None. `tok` is the
     policy's tokenizer; `agent_cls` the agent file's AgentInstance (None: single turn). `work`: the driver's own
     scratch folder. The trained model goes to `writer` (the stage's store.ArtifactWriter): uploaded by policy
-    rank 0, its files recorded in the writer; the caller commits."""
+    rank 0, its files recorded in the writer; the caller commits. `pretrain`: the PTX rows' token ids (every
+    policy rank draws its own micro-batches from them)."""
     from rlhf_core.generation import _ray_up
 
     R, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
@@ -260,6 +269,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
 
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
                       max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec)
+        if pretrain:
+            ray.get([a.set_pretrain.remote(pretrain) for a in roles.policy])
         # the newest checkpoint whose every sha256 verifies, each rank checking the files it downloads into its
         # own node's cache; a corrupt one is logged and passed over before any rank loads
         meta, local = checkpoints.resume_point(ckpt_uri, fingerprint, work / "resume", storage_options,
@@ -268,6 +279,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
             ray.get([a.load_checkpoint.remote(meta) for a in roles.policy + roles.critic])
             state = State(**json.loads((local / "state.json").read_text()))
+            if writer is not None and state.hf_files:  # the HF checkpoints uploaded before the interruption
+                writer.add_files(state.hf_files)
             if (local / "rollouts.pt").exists():
                 restored = torch.load(local / "rollouts.pt", weights_only=True)
             roles.weights.sync()
@@ -369,6 +382,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < total:
                 state.kl_coef = kl_ctl.value
                 state.moments = {"mean": moments.mean, "m2": moments.m2, "count": moments.count}
+                if cfg.save_hf_ckpt:  # OpenRLHF's {ckpt_path}/{tag}_hf (ppo_actor.py save_checkpoint), kept in the artifact
+                    state.hf_files += _save_hf(roles, writer, f"hf_checkpoints/step-{state.step}")
                 _checkpoint(roles, state, work, ckpt_uri, fingerprint, cfg.max_ckpt_num, storage_options,
                             feed.pending(state.step))
         _save_model(roles, writer, cfg.save_value_network)
@@ -425,6 +440,18 @@ def _fetch_checkpoint(roles: Roles, meta: dict, local: Path, storage_options: di
     if errors:
         raise checkpoints.CheckpointError(errors[0], meta["tag"])
     return dest
+
+
+def _save_hf(roles: Roles, writer, sub: str) -> list[dict]:
+    """save_hf_ckpt: the policy now, as an HF folder under the artifact's `sub` (the final model's path:
+    node_store.save_model); its files, recorded in the writer."""
+    import ray
+
+    ray.get([a.save_model.remote(writer.uri, sub) for a in roles.policy])
+    writer.note({sub.split("/", 1)[0]})
+    files = ray.get(roles.policy[0].save_model.remote(writer.uri, sub, upload=True))
+    writer.add_files(files)
+    return files
 
 
 def _save_model(roles: Roles, writer, save_critic: bool) -> None:

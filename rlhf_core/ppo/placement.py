@@ -70,7 +70,7 @@ class Roles:
         from rlhf_core.jobs import free_port
         from rlhf_core.ppo import engines, node_store, weight_sync
         from rlhf_core.ppo.roles import Learner, Reference
-        from rlhf_core.rewards import RMEngine
+        from rlhf_core.rewards import RMEnsemble
 
         cuda = torch.cuda.is_available()
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
@@ -107,13 +107,17 @@ class Roles:
         rworld = cfg.ref_num_nodes * cfg.ref_num_gpus_per_node
         self.reference = [place("reference" if rworld == 1 else f"reference{r}", Reference, ref_dir, hp, r, rworld,
                                 gpus=gpu) for r in range(rworld)] if ref_dir else None
-        self.reward = place("reward", RMEngine, reward_model_dir, reward_spec, gpus=gpu,
-                            offload=hp["ref_reward_offload"]) if reward_model_dir else None
+        # one actor holds every reward model of reward_model_uri "a,b" (each scores, the driver combines)
+        rms = [u.strip() for u in reward_model_dir.split(",") if u.strip()] if reward_model_dir else []
+        self.reward = place("reward", RMEnsemble, rms, reward_spec, gpus=gpu,
+                            offload=hp["ref_reward_offload"]) if rms else None
         # each engine's bundles, its own first, then its tensor-parallel workers' (for the engine to place them)
         self.engine_bundles = [[b for name, b in self.plan if name.split(".")[0] == f"rollout{j}"]
                                for j in range(cfg.vllm_num_engines)]
         engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
-        if cfg.vllm_tensor_parallel_size == 1:
+        if cfg.vllm_num_engines == 0:  # policy rank 0 generates with its own model (Learner.generate)
+            self.rollouts = []
+        elif cfg.vllm_tensor_parallel_size == 1:
             self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, gpus=gpu)
                              for j in range(cfg.vllm_num_engines)]
         else:  # the engine's TP workers (vLLM's Ray executor) take its bundles' GPUs: the engine itself none
@@ -131,6 +135,8 @@ class Roles:
             addr, port = ray.get(self.reference[0].node_ip.remote()), free_port()
             setups += [a.setup.remote(addr, port) for a in self.reference]
         ray.get(setups)
+        if cfg.vllm_num_engines == 0:
+            self.rollouts = self.policy[:1]
         self.weights = weight_sync.connect(self, cfg)
 
     def phase(self, name: str) -> None:

@@ -211,6 +211,13 @@ class Learner:
 
     def setup(self, model_dir: str, hp: dict, master_addr: str, master_port: int, total_steps: int) -> int:
         model_dir = node_store.local_model(model_dir)  # this node's copy
+        if self.kind == "critic":  # an OpenRLHF-format reward model (backbone + value head) as the critic
+            from rlhf_core.rewards import check_reward_model, head_prefix, value_head_as_seq_cls
+
+            prefix = head_prefix(model_dir, hp["value_head_prefix"])
+            if check_reward_model(model_dir, prefix) == "value_head":
+                model_dir = value_head_as_seq_cls(model_dir, prefix, node_store._rank_dir(self, "value-head", model_dir))
+        self.pretrain: list[list[int]] | None = None
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"))
         import deepspeed
@@ -273,6 +280,31 @@ class Learner:
         """Parameter elements this rank holds (its ZeRO-3 partitions, else every parameter)."""
         return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())
 
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb()
+
+    def set_pretrain(self, rows: list[list[int]]) -> int:
+        """PTX (OpenRLHF's --pretrain_data): the token ids of the pretrain rows this rank draws from."""
+        self.pretrain = rows
+        return len(rows)
+
+    @torch.no_grad()
+    def generate(self, *args) -> list[list[dict]]:
+        """vllm_num_engines 0: policy rank 0 generates the rollouts with the model it trains (OpenRLHF without
+        vLLM generates with the actor's own HF model), the engines' call (engines.HFRollout.generate)."""
+        from types import SimpleNamespace
+
+        from transformers import AutoTokenizer
+
+        from rlhf_core import models
+        from rlhf_core.ppo.engines import HFRollout
+
+        tok = AutoTokenizer.from_pretrained(self.model_dir)
+        me = SimpleNamespace(model=self.module, device=self.device, pad_id=models.pad_id(tok, self.model_dir),
+                             eos_ids=set(models.eos_ids(tok, self.model_dir)))
+        self.module.eval()
+        return HFRollout.generate(me, *args)
+
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
@@ -317,7 +349,29 @@ class Learner:
             met["kl_loss"] = kl.detach()
         if hp["entropy_loss_coef"]:
             loss = loss - hp["entropy_loss_coef"] * rl_math.aggregate(ent, mask, agg, max_len)
+        if self.pretrain and hp["ptx_coef"] > 0:
+            ptx = self.ptx_loss(b["ids"].shape[0])
+            loss = loss + hp["ptx_coef"] * ptx
+            met["ptx_loss"] = ptx.detach()
         return loss, met
+
+    def ptx_loss(self, rows: int) -> torch.Tensor:
+        """The NLL of `rows` pretrain rows, every token a target, averaged over the tokens (OpenRLHF v0.7's PPO-ptx,
+        openrlhf/trainer/ray/ppo_actor.py training_step_actor: GPTLMLoss on a pretrain micro-batch; labels are the
+        attended tokens). OpenRLHF runs a second backward of ptx_coef x ptx_loss before the same optimizer step;
+        adding it to the loss of one backward gives the same gradient. Rows are drawn from a generator seeded
+        by (seed, optimizer step, rank): a resumed run draws the same ones."""
+        from rlhf_core.ppo.loop import collate
+
+        if getattr(self, "_ptx_gen", None) is None:
+            self._ptx_gen = torch.Generator().manual_seed(self.hp["seed"] + 7919 * int(self.engine.global_steps)
+                                                          + 104729 * self.rank)
+        pick = torch.randint(len(self.pretrain), (rows,), generator=self._ptx_gen).tolist()
+        rows_ids = [self.pretrain[i] for i in pick]
+        b = collate([r[:1] for r in rows_ids], [r[1:] for r in rows_ids], 0)  # mask: every token after the first
+        b = to_device(b, self.device)
+        lp = token_outputs(self.module, b, "policy", 1.0, None, self.hp["packing_samples"])[0]  # (B, L - 1)
+        return -losses.reduce_tokens(lp, b["mask"])
 
     def _steps(self, batch: dict, order: torch.Tensor):
         """(micro-batch, loss scale, last of its optimizer step) in training order. Fixed micro-batches:
@@ -349,6 +403,7 @@ class Learner:
         g = torch.Generator().manual_seed(hp["seed"] + int(eng.global_steps))
         sums: dict[str, float] = {}
         count, tokens, t0, forwarded = 0, 0, time.perf_counter(), self.forwarded_tokens
+        self._ptx_gen = None  # PTX rows of this call drawn from (seed, optimizer step, rank)
         for _ in range(hp["max_epochs"]):
             for b, scale, boundary in self._steps(batch, torch.randperm(n, generator=g)):
                 loss, met = self.loss(b, kl_loss_coef)

@@ -39,10 +39,20 @@ class WeightSyncError(RuntimeError):
 # ---------------------------------------------------------------- the driver's end
 def connect(roles, cfg):
     """The weight path of one run between roles.policy and roles.rollouts (created once, after the actors)."""
+    if cfg.vllm_num_engines == 0:
+        return NoSync()
     if cfg.weight_sync_backend == "object_store":
         return ObjectStoreSync(roles)
     return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20,
                           ipc=cfg.colocate_all_models and torch.cuda.is_available())
+
+
+class NoSync:
+    """vllm_num_engines 0: policy rank 0 generates with the model it trains, so there is nothing to send."""
+    method, bytes = "none (policy rank 0 generates)", 0
+
+    def sync(self) -> float:
+        return 0.0
 
 
 class CollectiveSync:

@@ -382,3 +382,65 @@ def test_two_zero3_reference_ranks_give_the_one_rank_logprobs_each_holding_half(
     mask = batch["mask"]
     assert torch.allclose(got * mask, expected * mask, atol=1e-5) and float((expected * mask).abs().sum()) > 0
     assert all(abs(p["elements"] - total / 2) < 0.01 * total for p in parts), ([p["elements"] for p in parts], total)
+
+
+# ---------------------------------------------------------------------------------------------- issue 27 flags
+def test_ptx_adds_the_pretrain_nll_to_the_actor_loss_and_0_is_off(tiny, learner_env):
+    """PTX (OpenRLHF --pretrain_data / --ptx_coef): the policy's loss adds ptx_coef x the NLL of a pretrain
+    micro-batch. One pretrain row, so every draw is it: ptx_loss is the HF model's own causal-LM loss on that
+    row (by hand: model(ids, labels=ids).loss, the mean NLL of tokens 1..n-1). The update differs from the
+    same step without it; ptx_coef 0 gives exactly the step without it."""
+    from transformers import AutoModelForCausalLM
+
+    row = list(range(5, 17))
+    hand = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir)).eval()
+    with torch.no_grad():
+        nll = float(hand(torch.tensor([row]), labels=torch.tensor([row])).loss)
+    after, metrics = {}, {}
+    for name, coef in (("off", None), ("ptx", 0.5), ("zero", 0.0)):
+        hp = settings(**({} if coef is None else dict(pretrain_data="sft", ptx_coef=coef)))
+        learner = make_learner("policy", tiny.policy_dir, hp)
+        if coef is not None:
+            learner.set_pretrain([row])
+        metrics[name] = learner.train(experience(tiny.policy_dir), 0.0)
+        after[name] = learner._full_state_dict()
+    assert metrics["ptx"]["ptx_loss"] == pytest.approx(nll, rel=1e-5)
+    assert "ptx_loss" not in metrics["off"] and "ptx_loss" not in metrics["zero"]
+    assert metrics["ptx"]["policy_loss"] == pytest.approx(metrics["off"]["policy_loss"], abs=1e-6)  # same first step
+    assert any(not torch.equal(after["ptx"][k], after["off"][k]) for k in after["off"])
+    assert all(torch.equal(after["zero"][k], after["off"][k]) for k in after["off"])
+
+
+def openrlhf_rm(src, dst, prefix: str = "value_head", scale: float = 1.0):
+    """An OpenRLHF-format reward model from a seq-cls folder: backbone `model.*` + a bias-free `{prefix}.weight`
+    head (times `scale`), config.json naming value_head_prefix as OpenRLHF's train_rm saves it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    sd[f"{prefix}.weight"] = sd.pop("score.weight") * scale
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(architectures=["LlamaModel"], value_head_prefix=prefix)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_value_head_format_critic_loads_and_values_are_the_head_by_hand(tiny, learner_env, tmp_path):
+    """A critic from an OpenRLHF value_head-format RM: its values are the head applied by hand to the backbone's
+    hidden states (AutoModel + value_head.weight), column t the state before token t + 1."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    vh = openrlhf_rm(tiny.reward_dir, tmp_path / "vh")
+    critic = make_learner("critic", vh, settings(advantage_estimator="gae", reward_model_uri="rm", reward_func_path=None,
+                                                 n_samples_per_prompt=1, rollout_batch_size=4))
+    b = experience(tiny.policy_dir)
+    got = critic.forward(b)
+    body, w = AutoModel.from_pretrained(str(vh)).eval(), load_file(str(vh / "model.safetensors"))["value_head.weight"]
+    with torch.no_grad():
+        h = body(input_ids=b["ids"], attention_mask=b["attn"]).last_hidden_state  # (B, L, H)
+    assert torch.allclose(got, (h @ w.T).squeeze(-1)[:, :-1], atol=1e-5)
