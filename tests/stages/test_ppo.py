@@ -296,6 +296,11 @@ def test_colocation_flags_share_placement_group_bundles(flags, expected):
     (dict(micro_rollout_batch_size=3, actor_num_gpus_per_node=2, micro_train_batch_size=2),
      "micro_rollout_batch_size 3 does not divide the 8 samples per actor rank"),
     (dict(normalize_reward=True), "normalize_reward applies a reward model's stored mean/std: there is no reward_model_uri"),
+    (dict(vllm_num_engines=0, async_train=True), "vllm_num_engines 0 .* cannot be used with async_train"),
+    (dict(vllm_num_engines=0, rollout_backend="vllm"), "vllm_num_engines 0 .* cannot be used with rollout_backend vllm"),
+    (dict(save_hf_ckpt=True), "save_hf_ckpt writes an HF folder with each checkpoint: save_steps is 0"),
+    (dict(reward_func_path=None, agent_func_path="a.py", agent_executor_path="e.py"), "both run the episodes: set one"),
+    (dict(agent_executor_path="e.py"), r"agent_executor_path gives the rewards .*: drop \['reward_func_path'\]"),
 ])
 def test_bad_config_is_refused_by_name(over, message, tmp_path):
     base = dict(policy_uri="p", prompts_uri="q", output_uri=str(tmp_path / "out"), reward_func_path=demo_task.__file__,
@@ -602,3 +607,83 @@ def test_agent_step_raising_mid_run_fails_the_stage_cleanly(warm, tmp_path):
         ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(bad), max_turns=3,
                          generate_max_len=30))
     assert not store.committed_any(str(tmp_path / "out"))
+
+
+# ---------------------------------------------------------------------------------------------- issue 27 flags
+@pytest.mark.slow
+def test_ptx_two_reward_models_value_head_critic_hf_checkpoints_and_rollouts_on_the_learner(warm, tiny, tmp_path):
+    """One gae run with five OpenRLHF flags: pretrain_data + ptx_coef (the committed SFT rows), reward_model_uri
+    "a,b" (a: an OpenRLHF value_head-format RM, b: the same backbone with its `score` head doubled), the critic
+    from a (the first RM, as OpenRLHF; value_head format), save_hf_ckpt with save_steps 1, and
+    vllm_num_engines 0 (policy rank 0 generates). 3 steps; the actor is frozen at step 1."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.rlhf_core.test_ppo_roles import openrlhf_rm
+
+    a = openrlhf_rm(tiny.reward_dir, tmp_path / "rm_a")
+    b = openrlhf_rm(tiny.reward_dir, tmp_path / "rm_b", prefix="score", scale=2.0)
+    out = tmp_path / "run"
+    m = ppo.run(ppo.Config(**{**BASE, "reward_func_path": None}, policy_uri=warm.policy, prompts_uri=warm.prompts,
+                           output_uri=str(out), reward_model_uri=f"{a},{b}", advantage_estimator="gae",
+                           n_samples_per_prompt=2, max_samples=24, init_kl_coef=0.0, actor_learning_rate=1e-4,
+                           freezing_actor_steps=1, pretrain_data=str(warm.root / "sft-data"), ptx_coef=0.5,
+                           save_steps=1, save_hf_ckpt=True, vllm_num_engines=0))
+    log = json.loads((out / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 3 and [h["actor_trained"] for h in log] == [False, True, True]
+    for h in log:  # each RM scored every sample; summed as OpenRLHF's reward_fn; b = 2 x a exactly (no bias)
+        assert h["reward_rm1"] == pytest.approx(2 * h["reward_rm0"], rel=1e-4, abs=1e-5)
+        assert h["reward"] == pytest.approx(h["reward_rm0"] + h["reward_rm1"], rel=1e-4, abs=1e-5)
+        assert h["critic_loss"] > 0  # the value-head critic loaded and trained
+        # no engine: the learner generated with the weights it trains, nothing was sent
+        assert h["weight_sync_method"].startswith("none") and h["weight_sync_bytes"] == 0
+        assert h["rollout_logprob_gap"] < 1e-3
+    assert "ptx_loss" not in log[0] and all(h["ptx_loss"] > 0 for h in log[1:])
+    # an HF folder per checkpoint (steps 1 and 2; none at the last step), in the committed artifact
+    hf = {s: AutoModelForCausalLM.from_pretrained(str(out / "hf_checkpoints" / f"step-{s}")).state_dict() for s in (1, 2)}
+    assert {f["path"] for f in m.files} >= {f"hf_checkpoints/step-{s}/model.safetensors" for s in (1, 2)}
+    start = load_file(str(Path(warm.policy_dir) / "model.safetensors"))
+    final = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(hf[1][k], start[k]) for k in start)  # step 1 trained only the critic
+    assert any(not torch.equal(hf[2][k], start[k]) for k in start)  # step 2's update
+    assert any(not torch.equal(hf[2][k], final[k]) for k in start)  # and step 3's after it
+
+
+EXECUTOR = """
+from rlhf_core.agent import AgentExecutorBase
+
+
+class AgentExecutor(AgentExecutorBase):
+    \"\"\"Two turns with fixed feedback between them; a fixed reward.\"\"\"
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        obs = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ranges, lps = [], [0.0] * len(obs)
+        for turn in range(2):
+            sampling_params.max_tokens = 4
+            out = (await llm_engine.generate(obs, sampling_params)).outputs[0]
+            ranges.append((len(obs), len(obs) + len(out.token_ids)))
+            lps += [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+            obs = obs + list(out.token_ids)
+            if turn == 0:
+                fb = hf_tokenizer(" ok ", add_special_tokens=False)["input_ids"]
+                obs, lps = obs + fb, lps + [0.0] * len(fb)
+        return {"prompt": prompt, "label": label, "observation_tokens": obs, "action_ranges": ranges,
+                "rollout_log_probs": lps, "reward": 0.25, "scores": 0.25, "extra_logs": {"turns_seen": 2}}
+"""
+
+
+@pytest.mark.slow
+def test_custom_agent_executor_runs_every_episode_and_its_reward_reaches_the_log(warm, tmp_path):
+    """agent_executor_path: a file's AgentExecutor (OpenRLHF's AgentExecutorBase.execute shape, token in, token
+    out) runs each episode over the rollout engine: two turns, a fixed reward 0.25."""
+    path = tmp_path / "executor.py"
+    path.write_text(EXECUTOR)
+    out = tmp_path / "exec"
+    m = ppo.run(ppo.Config(**{**BASE, "reward_func_path": None, "train_batch_size": 8, "generate_max_len": 16},
+                           policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(out),
+                           agent_executor_path=str(path), advantage_estimator="reinforce", max_samples=8,
+                           init_kl_coef=0.0, save_steps=0))
+    log = json.loads((out / "training_log.json").read_text())
+    assert m.metrics["steps_done"] == 1 and [i["name"] for i in m.inputs][-1] == "agent_executor"
+    assert log[0]["reward"] == 0.25 and log[0]["agent_turns"] == 2 and log[0]["agent_turns_seen"] == 2
+    assert log[0]["rollout_logprob_gap"] < 1e-3  # the executor's log-probs are the policy's on the action tokens
