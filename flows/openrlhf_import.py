@@ -129,7 +129,7 @@ def sync_backend(v):
 NOT_HERE = {
     "local_rank": No("set by the launcher"),
     "ckpt_path": No("checkpoints go to {output_uri}/checkpoints (save_steps sets how often)"),
-    "save_hf_ckpt": No("checkpoints are DeepSpeed's; the committed artifact is the HF folder (issue 27 item 2)"),
+    "save_hf_ckpt": No("checkpoints are DeepSpeed's; the committed artifact is the HF folder (ppo has save_hf_ckpt)"),
     "disable_ds_ckpt": No("checkpoints are DeepSpeed's (resume needs them)"),
     "max_ckpt_num": No("the store keeps the latest checkpoint of the job"),
     "max_ckpt_mem": No("the store keeps the latest checkpoint of the job"),
@@ -189,7 +189,7 @@ FLAGS: dict[str, dict[str, Any]] = {
                  "eval_task": No("generate / generate_vllm: the backend key"),
                  "zero_stage": No("inference: no ZeRO"), "max_len": No("prompt_max_len and max_new_tokens cap each side"),
                  "attn_implementation": No("the backend's attention"),
-                 "max_num_seqs": No("vLLM's default batch (issue 27 item 2)"),
+                 "max_num_seqs": "max_num_seqs",
                  "post_processor": No("a separate stage: filter (method rs / iter_dpo / csft)"),
                  "enable_csft": No("the conditional-sft flow"), "csft_prompt": No("the conditional-sft flow")},
     "score": {**NOT_HERE, "pretrain": "reward_model_uri", "dataset": "samples_uri", "output_path": "output_uri",
@@ -223,8 +223,8 @@ FLAGS: dict[str, dict[str, Any]] = {
                       "lora_alpha": No("not wired for ppo"), "lora_dropout": No("not wired for ppo"),
                       "target_modules": No("not wired for ppo"), "aux_loss_coef": No("not wired for ppo"),
                       "policy_loss_type": No("PPO's clipped loss (eps_clip, dual_clip)"),
-                      "ptx_coef": No("not yet (issue 27 item 2)"), "pretrain_data": No("not yet (issue 27 item 2)"),
-                      "value_head_prefix": No("reads value_head (issue 27 item 2)"),
+                      "ptx_coef": "ptx_coef", "pretrain_data": "pretrain_data", "value_head_prefix": "value_head_prefix",
+                      "save_hf_ckpt": "save_hf_ckpt",
                       "overlong_buffer_len": No("not wired"), "overlong_penalty_factor": No("not wired"),
                       "stop_properly_penalty_coef": No("not wired"), "prompt_split": No("give the split as URI@SPLIT"),
                       "eval_steps": No("no eval inside ppo: the flow's eval stage"),
@@ -495,6 +495,10 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
     if "eval_steps" in s[main] and "eval_dataset" not in s[main] and main != "generate":
         del s[main]["eval_steps"]  # OpenRLHF evaluates nothing without eval data; here that is a refused setting
         out.unsupported.append(f"{c.pop((main, 'eval_steps'))}: no --eval_dataset, so no evaluation (OpenRLHF ignores it)")
+    if s[main].get("save_hf_ckpt") and not s[main].get("save_steps"):
+        del s[main]["save_hf_ckpt"]  # OpenRLHF writes the HF folder with a checkpoint; there is none to go with
+        out.unsupported.append(f"{c.pop((main, 'save_hf_ckpt'))}: no --save_steps, so no checkpoint and no HF folder "
+                               f"beside one (OpenRLHF writes none either)")
     if cmd.module == "train_ppo_ray":  # OpenRLHF generates with vLLM engines when it has some, else on the actors
         vllm = s["ppo"].get("vllm_num_engines", 0) > 0
         s["ppo"]["rollout_backend"] = "vllm" if vllm else "hf"

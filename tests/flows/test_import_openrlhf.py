@@ -192,3 +192,24 @@ def test_imported_ppo_command_scaled_down_validates(tiny, tmp_path):
     assert (cfg.zero_stage, cfg.packing_samples, cfg.use_dynamic_batch, cfg.colocate_all_models, cfg.init_kl_coef,
             cfg.critic_learning_rate, cfg.input_key, cfg.apply_chat_template, cfg.enable_vllm_is_correction) == \
         (3, True, True, True, 0.01, 9e-6, "context_messages", True, True)
+
+
+def test_the_flags_issue_27_added_map_to_their_keys():
+    """--pretrain_data / --ptx_coef, --reward_pretrain a,b, --value_head_prefix, --save_hf_ckpt (with --save_steps;
+    without it OpenRLHF writes no checkpoint, so the flag is listed as doing nothing) and batch_inference's
+    --max_num_seqs land on their keys, in both dialects."""
+    flat = ("python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --reward_pretrain ./a,./b --prompt_data ./q.jsonl "
+            "--pretrain_data ./sft.jsonl --ptx_coef 0.1 --value_head_prefix value_head --save_hf_ckpt --save_steps 5 "
+            "--vllm_num_engines 0 --save_path ./out")
+    d = yaml.safe_load(imp.import_text(flat, "ppo.sh"))["ppo"]
+    assert (d["pretrain_data"], d["ptx_coef"], d["reward_model_uri"], d["value_head_prefix"], d["save_hf_ckpt"],
+            d["vllm_num_engines"]) == ("./sft.jsonl", 0.1, "./a,./b", "value_head", True, 0)
+    dotted = yaml.safe_load(imp.import_text(flat.replace("--value_head_prefix", "--ds.value_head_prefix")
+                                            .replace("--save_hf_ckpt", "--ckpt.save_hf"), "ppo.sh"))["ppo"]
+    assert (dotted["value_head_prefix"], dotted["save_hf_ckpt"]) == ("value_head", True)
+    text = imp.import_text(flat.replace(" --save_steps 5", ""), "ppo.sh")
+    assert "save_hf_ckpt" not in yaml.safe_load(text)["ppo"] and "--save_hf_ckpt: no --save_steps" in text
+    gen = yaml.safe_load(imp.import_text("deepspeed --module openrlhf.cli.batch_inference --eval_task generate_vllm "
+                                         "--pretrain ./p --dataset ./q.jsonl --output_path ./o.jsonl --max_num_seqs 64",
+                                         "gen.sh"))["generate"]
+    assert gen["max_num_seqs"] == 64
