@@ -17,7 +17,11 @@ weight the policy loss by the trainer/rollout probability ratio. async_train ove
 with training on step k (weights exactly async_queue_size updates old; a resume loses no rollout); colocate_all_models /
 colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Every role runs
 on its own device (the GPU Ray reserved for it, else the CPU) in bf16 with `bf16`; every log-prob is of the
-tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). 
+tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). OpenRLHF's
+--pretrain_data / --ptx_coef add the NLL of SFT rows to the actor loss (PTX); reward_model_uri "a,b" scores with
+each reward model and sums (reward_models_agg); the critic may be an OpenRLHF value_head-format RM
+(value_head_prefix); save_hf_ckpt puts the policy as an HF folder beside each checkpoint; vllm_num_engines 0
+generates on policy rank 0; agent_executor_path runs a file's AgentExecutor (OpenRLHF's execute()) per episode.
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
