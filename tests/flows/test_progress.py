@@ -51,7 +51,7 @@ def _scored_input(root, n):
     return w.commit().uri
 
 
-def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_lines(prefect_harness, tiny, tmp_path):
+def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_lines(prefect_harness, tiny, tmp_path, capfd):
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterId, LogFilter,
@@ -95,6 +95,7 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
     messages = [entry.message for entry in logs]
     # the row counts are the progress card's: at debug level in the run log, which holds one line per iteration
     assert not [m for m in messages if m.startswith("progress score")], messages
+    assert "progress score 512/512 rows\n" in capfd.readouterr().err  # still on the console, as they come
     assert [m for m in messages if m.startswith("iteration ")] == [
         m for m in messages if re.fullmatch(r"iteration 0: gold -0\.25, RM 1\.5, KL 0, length 12 tokens, \d+\.\d s|"
                                             r"iteration 1: gold 0\.125, KL 0\.03125, \d+\.\d s", m)] and len(
