@@ -121,7 +121,7 @@ def test_bad_input_is_one_named_error_line(tmp_path, capsys):
 
 
 def test_the_readme_command_works_as_written(monkeypatch, capsys):
-    lines = re.findall(r"rlhf-flows (import-openrlhf [^`\n]*)", (ROOT / "README.md").read_text())
+    lines = re.findall(r"rlhf-flows (import-openrlhf [^`\n]*)", (ROOT / "docs" / "how-to" / "import-openrlhf.md").read_text())
     assert lines
     monkeypatch.chdir(ROOT)
     for line in lines:
