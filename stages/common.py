@@ -182,7 +182,7 @@ def run_log():
             msg = record.getMessage()
             if worth_a_look(msg, record.levelno):
                 run_logger.log(record.levelno, "%s", msg)
-            else:  # at debug level in the run log; still on the console of `rlhf-flows run` / the worker, as before
+            else:  # at debug level in the run log; still on the console of a flow run's CLI / the worker, as before
                 run_logger.debug("%s", msg)
                 sys.stderr.write(msg + "\n")  # not print(): the flows' log_prints would send it to the run log
 
@@ -201,8 +201,8 @@ def worth_a_look(msg: str, level: int) -> bool:
     """Whether a job's line stays at its level in the Prefect run log: warnings, what the CLI prints by default
     (progress.Display.NOTABLE) and about every tenth training step line (loss, tokens/s, ETA; the first and the
     last); the other step lines, the launcher's chatter, the generate / score row counts (the progress card
-    shows them) and empty lines go at debug level, and to stderr as they are (the console of `rlhf-flows run`
-    or of the worker shows them as before)."""
+    shows them) and empty lines go at debug level, and to stderr as they are (the console of the
+    flow's CLI run or of the worker shows them as before)."""
     from rlhf_core import progress
 
     ev = progress.parse(msg)

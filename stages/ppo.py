@@ -43,6 +43,11 @@ from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig, stage_task
 
 
+# Settings only a CUDA host runs, with their off values: elsewhere each is refused, naming the flag and the device.
+CUDA_ONLY = {"vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "vllm_tensor_parallel_size": 1,
+             "ref_reward_offload": False}
+
+
 class Config(StageConfig):
     policy_uri: str = Field(description="Initial policy and reference (--pretrain): committed artifact or HF folder.")
     prompts_uri: str = Field(description="Committed `prompts` artifact or raw sources (--prompt_data).")

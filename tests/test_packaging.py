@@ -59,16 +59,27 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     assert spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
 
 
-# ppo settings only a CUDA host runs, and their values off
-CUDA_ONLY = {"vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "vllm_tensor_parallel_size": 1,
-             "ref_reward_offload": False}
+def cuda_only_refused_here(mod, flow: str, params):
+    """A GPU config (ppo settings of stages.ppo.CUDA_ONLY) on a host without CUDA: refused, naming the flag and the
+    device; returned with those settings off, for the rest to validate."""
+    from flows import common
+    from stages.common import ConfigError
+    from stages.ppo import CUDA_ONLY
+
+    ppo = getattr(params, "ppo", None)
+    given = [k for k in CUDA_ONLY if ppo is not None and getattr(ppo, k) != CUDA_ONLY[k]]
+    if not given or torch.cuda.is_available():
+        return params
+    with pytest.raises(ConfigError, match=rf"({'|'.join(given)}).*no CUDA device"):
+        common.validate(params, flow, mod.checks(params))
+    return params.model_copy(update={"ppo": ppo.model_copy(update={k: CUDA_ONLY[k] for k in given})})
 
 
 def test_every_shipped_config_is_a_valid_flow_or_stage_config():
     import importlib
 
     from flows import common
-    from stages.common import ConfigError, load_config
+    from stages.common import load_config
 
     flows = {"demo.yaml": "iterative_dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional_sft",
              "iterative_dpo_llama3_8b.yaml": "iterative_dpo", "raft_llama3_8b.yaml": "raft", "demo_ppo.yaml": "ppo",
@@ -77,13 +88,7 @@ def test_every_shipped_config_is_a_valid_flow_or_stage_config():
     assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(flows) | set(stages)
     for name, module in flows.items():
         mod = importlib.import_module(f"flows.{module}")
-        params = load_config(mod.Params, ROOT / "configs" / name)
-        ppo = mod.Params.model_fields.get("ppo") and params.ppo
-        cuda_only = [k for k in CUDA_ONLY if ppo and getattr(ppo, k) != CUDA_ONLY[k]]
-        if cuda_only and not torch.cuda.is_available():  # a GPU config: refused here, naming the flag and the device
-            with pytest.raises(ConfigError, match=rf"({'|'.join(cuda_only)}).*no CUDA device"):
-                common.validate(params, module, mod.checks(params))
-            params = load_config(mod.Params, ROOT / "configs" / name, {"ppo": {k: CUDA_ONLY[k] for k in cuda_only}})
+        params = cuda_only_refused_here(mod, module, load_config(mod.Params, ROOT / "configs" / name))
         common.validate(params, module, mod.checks(params))
     for name, stage in stages.items():
         load_config(importlib.import_module(f"stages.{stage}").Config, ROOT / "configs" / name,

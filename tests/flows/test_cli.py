@@ -12,6 +12,7 @@ import pytest
 
 import flows.iterative_dpo  # noqa: F401  (Prefect binds its console log to sys.stderr here: outside capsys)
 from flows import cli
+from tests.test_packaging import cuda_only_refused_here
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "stages").glob("*.py")),
@@ -69,8 +70,9 @@ def test_every_documented_command_parses_and_its_config_validates(where, argv):
         from flows import common
 
         mod = cli._flow_module(a.name)
-        params = load_config(mod.Params, config, overrides)
-        common.validate(params, mod.__name__.split(".")[-1], mod.checks(params))
+        flow = mod.__name__.split(".")[-1]
+        params = cuda_only_refused_here(mod, flow, load_config(mod.Params, config, overrides))
+        common.validate(params, flow, mod.checks(params))
     else:
         mod = cli._stage_module(a.name)
         load_config(mod.Config, config, overrides, section=a.name)
