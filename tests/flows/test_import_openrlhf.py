@@ -1,7 +1,7 @@
 """`rlhf-flows import-openrlhf`: OpenRLHF's own documented commands (tests/flows/openrlhf_commands/, each file
 citing its source and commit) become stage YAML that validates against the stage Configs, every flag of the
 command is either a commented key or listed with its reason, both dialects give the same YAML, bad input is
-one error line, and an imported SFT command and PPO command, scaled down with the tiny offline models, run
+one error line, and an imported SFT, DPO and PPO command, scaled down with the tiny offline models, run
 and commit."""
 from __future__ import annotations
 
@@ -162,11 +162,37 @@ def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
     assert "committed at" in capsys.readouterr().out
 
 
-def test_imported_ppo_command_scaled_down_validates(tiny, tmp_path):
+def test_imported_dpo_command_runs_scaled_down(tiny, tmp_path):
+    """OpenRLHF's train_dpo.sh (v0.9.10, flat flags) imported, then its three stages (prepare pairs -> reference
+    log-probs -> dpo) run by `rlhf-flows stage NAME --config` with the tiny model and pairs in its dataset's shape
+    (chosen / rejected message lists, chat template), sizes shrunk: dpo commits with the script's settings."""
+    from rlhf_core import demo_task, store
+
+    rows = [{k: [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r[k]}]
+             for k in ("chosen", "rejected")} for r in demo_task.preference_rows(16)]
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "dpo.yaml"
+    assert cli.main(["import-openrlhf", str(COMMANDS / "train_dpo_v0.9.10.sh"), "-o", str(out)]) == 0
+    pairs, ref, dpo = (tmp_path / name for name in ("pairs", "ref", "dpo"))
+    cpu = ["max_len=64", "bf16=false", "attn_implementation=sdpa"]  # flash_attention_2 and bf16: CUDA's
+    assert cli.main(["stage", "prepare", "--config", str(out), f"data={src}", f"tokenizer_uri={tiny.policy_uri}",
+                     f"output_uri={pairs}"]) == 0
+    assert cli.main(["stage", "reference", "--config", str(out), f"pairs_uri={pairs}", f"ref_uri={tiny.policy_uri}",
+                     f"output_uri={ref}", *cpu]) == 0
+    assert cli.main(["stage", "dpo", "--config", str(out), f"dataset_uri={ref}", f"policy_uri={tiny.policy_uri}",
+                     f"output_uri={dpo}", "train_batch_size=8", *cpu]) == 0
+    m = store.read_manifest(str(dpo))
+    assert m.stage == "dpo" and m.metrics["steps_done"] == m.metrics["planned_steps"] == 2
+    assert (m.config["beta"], m.config["learning_rate"], m.config["zero_stage"], m.config["packing_samples"],
+            m.config["micro_train_batch_size"]) == (0.1, 5e-7, 3, True, 1)
+
+
+def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
     """OpenRLHF's train_ppo_ray_hybrid_engine.sh (v0.11.0) imported, scaled down to the tiny models and CPU
-    placement, loads as `rlhf-flows stage ppo --config` loads it (Config validation only: a real run of this
-    config took 73.6 s on this 2-core machine, over this file's budget). Unchanged, the file is refused on a
-    host without CUDA naming the keys its header lists."""
+    placement, loads as `rlhf-flows stage ppo --config` loads it and runs one step with the script's own
+    settings (ZeRO-3, packing, dynamic batches, every role colocated, GAE critic, IS correction). Unchanged, the
+    file is refused on a host without CUDA naming the keys its header lists."""
     import torch
 
     from stages import ppo
@@ -187,11 +213,20 @@ def test_imported_ppo_command_scaled_down_validates(tiny, tmp_path):
     cfg = load_config(ppo.Config, out, [f"policy_uri={tiny.policy_uri}", f"reward_model_uri={tiny.reward_uri}",
                                         "prompts_uri=prompts.jsonl", f"output_uri={tmp_path / 'out'}", "rollout_backend=hf",
                                         "actor_num_gpus_per_node=1", "critic_num_gpus_per_node=1", "ref_num_gpus_per_node=1",
-                                        "rollout_batch_size=4", "train_batch_size=4", "micro_train_batch_size=2",
-                                        "micro_rollout_batch_size=2", "max_samples=4", "bf16=false"], section="ppo")
+                                        "rollout_batch_size=4", "train_batch_size=8", "micro_train_batch_size=2",
+                                        "micro_rollout_batch_size=2", "max_samples=4", "bf16=false", "n_samples_per_prompt=2",
+                                        "generate_max_len=8", "prompt_max_len=32", "num_episodes=1"], section="ppo")
     assert (cfg.zero_stage, cfg.packing_samples, cfg.use_dynamic_batch, cfg.colocate_all_models, cfg.init_kl_coef,
             cfg.critic_learning_rate, cfg.input_key, cfg.apply_chat_template, cfg.enable_vllm_is_correction) == \
         (3, True, True, True, 0.01, 9e-6, "context_messages", True, True)
+    from rlhf_core import demo_task, store
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"context_messages": [{"role": "user", "content": p["input"]}]}) + "\n"
+                               for p in demo_task.prompts(4)))
+    m = ppo.run(cfg.model_copy(update={"prompts_uri": str(prompts)}))
+    assert m.metrics["steps_done"] == m.metrics["planned_steps"] >= 1
+    assert store.read_manifest(str(tmp_path / "out")).config["packing_samples"] is True
 
 
 def test_the_flags_issue_27_added_map_to_their_keys():
