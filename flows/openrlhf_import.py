@@ -503,6 +503,12 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
         vllm = s["ppo"].get("vllm_num_engines", 0) > 0
         s["ppo"]["rollout_backend"] = "vllm" if vllm else "hf"
         c[("ppo", "rollout_backend")] = "(--vllm_num_engines > 0: vLLM engines)" if vllm else "(no vLLM engines: generate on the actor)"
+    if cmd.module == "train_ppo_ray" and s["ppo"].get("vllm_tensor_parallel_size", 1) > 1:
+        # TP > 1 engines take their weights through the object store here (stages/ppo.py refuses the collective
+        # group for them: it reaches the engine actor, not vLLM's TP workers)
+        s["ppo"]["weight_sync_backend"] = "object_store"
+        c[("ppo", "weight_sync_backend")] = " ".join(filter(None, [c.get(("ppo", "weight_sync_backend")),
+                                                                 "(TP > 1 engines: object_store here)"]))
     if cmd.module == "train_ppo_ray" and "max_len" in given and "max_new_tokens" not in given:
         ppo = s["ppo"]
         ppo["generate_max_len"] = int(given["max_len"]) - ppo.get("prompt_max_len", 1024)
