@@ -84,7 +84,8 @@ def test_keys_values_and_comments_spot_checked():
     ppo, p = imported("train_ppo_ray_v0.9.10.sh")
     q = p["ppo"]
     assert (q["rollout_backend"], q["weight_sync_backend"], q["vllm_num_engines"], q["actor_learning_rate"]) == \
-        ("vllm", "collective", 4, 5e-7)
+        ("vllm", "object_store", 4, 5e-7)  # --vllm_sync_backend nccl with TP 2 engines: the stage's TP path
+    assert "--vllm_sync_backend nccl (TP > 1 engines: object_store here)" in ppo
     assert q["generate_max_len"] == 2048 - 1024 and "(--max_len 2048 minus prompt_max_len)" in ppo
     assert "--ckpt_path /openrlhf/examples/test_scripts/ckpt/llama3-8b-rlhf: checkpoints go to" in ppo
 
