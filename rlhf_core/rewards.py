@@ -249,7 +249,7 @@ class RMEngine:
         return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
 
     def peak_memory_gb(self) -> float:
-        from rlhf_core.ppo.roles import peak_memory_gb
+        from rlhf_core.ppo.devices import peak_memory_gb
 
         return peak_memory_gb()
 
@@ -327,7 +327,7 @@ class RMEnsemble:
         return [e.score(pairs, finished) for e in self.engines]
 
     def peak_memory_gb(self) -> float:
-        from rlhf_core.ppo.roles import peak_memory_gb
+        from rlhf_core.ppo.devices import peak_memory_gb
 
         return peak_memory_gb()
 

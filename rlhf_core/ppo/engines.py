@@ -14,7 +14,7 @@ import os
 import torch
 
 from rlhf_core.ppo import node_store, weight_sync
-from rlhf_core.ppo.roles import device, peak_memory_gb, to_host
+from rlhf_core.ppo.devices import device, peak_memory_gb, to_host
 from rlhf_core.ppo.weight_sync import received_weights
 
 

@@ -28,34 +28,8 @@ import torch
 
 from rlhf_core import logprobs, losses, rl_math
 from rlhf_core.ppo import node_store, weight_sync
+from rlhf_core.ppo.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
 from rlhf_core.train import adamw, no_lone_allreduce
-
-
-def device() -> torch.device:
-    """The device a role's model lives on: the GPU Ray gave this actor (it sees only its own), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def to_device(batch: dict, dev) -> dict:
-    """Every tensor of `batch` on `dev` (batches arrive from Ray as CPU tensors)."""
-    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def to_host(x: torch.Tensor) -> torch.Tensor:
-    """A result for the driver: detached, on the CPU. A `meta` tensor (the device tests run models on meta,
-    which holds shapes but no values) comes back as zeros of its shape and dtype."""
-    if x.device.type == "meta":
-        return torch.zeros(x.shape, dtype=x.dtype)
-    return x.detach().cpu()
-
-
-def peak_memory_gb() -> float:
-    """This process's peak memory: the GPU allocator's on CUDA, else the peak resident set size."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2 ** 30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
 def policy_logprobs(model, batch: dict, temperature: float = 1.0, entropy: str | None = None):
@@ -361,7 +335,7 @@ class Learner:
         attended tokens). OpenRLHF runs a second backward of ptx_coef x ptx_loss before the same optimizer step;
         adding it to the loss of one backward gives the same gradient. Rows are drawn from a generator seeded
         by (seed, optimizer step, rank): a resumed run draws the same ones."""
-        from rlhf_core.ppo.loop import collate
+        from rlhf_core.ppo.batches import collate
 
         if getattr(self, "_ptx_gen", None) is None:
             self._ptx_gen = torch.Generator().manual_seed(self.hp["seed"] + 7919 * int(self.engine.global_steps)
