@@ -142,7 +142,8 @@ def _group_max(n: int) -> int:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return n
-    t = torch.tensor([n])
+    # nccl reduces CUDA tensors only: the count goes on this rank's GPU there, on the CPU under gloo
+    t = torch.tensor([n], device=device() if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
 
