@@ -130,6 +130,9 @@ class LoopParams(BaseModel):
     stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
     max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
     lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
+    pools: dict[str, str] = Field(default_factory=dict, description="Work pool per stage, e.g. {generate: gpu-vllm, dpo: "
+                                  "gpu-train}: those stages run as deployments on their pools (flows/pools.py); the "
+                                  "others in the flow's own process.")
     use_tensorboard: bool = Field(False, description="TensorBoard event files of the per-iteration report in {run}/tensorboard/.")
     use_wandb: bool = Field(False, description="A W&B run of the per-iteration report (online with WANDB_API_KEY, else offline in {run}/wandb/).")
     wandb_project: str = Field("rlhf-flows", description="W&B project.")
@@ -162,6 +165,10 @@ def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
         use_credentials(p.credentials_block)
     store.check_reachable(p.root, p.storage_options)
     validate(p, flow_name, checks)
+    if p.pools:
+        from flows import pools
+
+        pools.check(p.pools, flow_name)
     return {"flow": flow_name}
 
 

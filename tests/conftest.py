@@ -114,12 +114,51 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real `prefect server start` on 127.0.0.1 for the session (its own PREFECT_HOME and database), stopped by
+    pid at teardown. `env`: the environment for prefect commands and workers against it; `prefect(*args)` runs
+    the CLI and asserts it exited 0; `worker(pool, name, log)` starts a process worker (the test stops it)."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    bindir, port = Path(sys.executable).parent, free_port()
+    env = dict(os.environ, PREFECT_HOME=str(home / "home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    root = Path(__file__).resolve().parents[1]
+
+    def prefect(*args, timeout=300, check=True, **kw):
+        out = subprocess.run([str(bindir / "prefect"), "--no-prompt", *args], env=kw.pop("env", env), cwd=kw.pop("cwd", root),
+                             capture_output=True, text=True, timeout=timeout, **kw)
+        if check:
+            assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        return out.stdout if check else out
+
+    def worker(pool: str, name: str, log: Path, cwd: Path | None = None, extra_env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([str(bindir / "prefect"), "worker", "start", "--pool", pool, "--name", name, "--limit", "1"],
+                                env={**env, **(extra_env or {})}, cwd=cwd or log.parent, stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent, start_new_session=True)
+
+    proc = subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT,
+                            preexec_fn=die_with_parent)
+    try:
+        wait_for_port(port, proc, "prefect server", timeout=180)
+        yield SimpleNamespace(port=port, api=f"http://127.0.0.1:{port}/api", env=env, prefect=prefect, worker=worker,
+                              bindir=bindir, log=home / "server.log", pid=proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once).
     # The files that use the session's demo run form two groups, the loops and the rest (about equal work):
     # each group's worker trains the demo once, and the two halves of the longest tests run side by side.
-    demo_files = {item.path for item in items if "demo_run" in getattr(item, "fixturenames", ())}
+    # Files that start the session's `prefect server` join the demo-other group, so one server serves them all.
+    demo_files = {item.path for item in items if {"demo_run", "prefect_server"} & set(getattr(item, "fixturenames", ()))}
     for item in items:
         group = str(item.path)
         if item.path in demo_files:

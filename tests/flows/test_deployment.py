@@ -1,44 +1,30 @@
-"""Deployments for real: `prefect server start`, a process work pool and worker, `prefect deploy --all` from
+"""Deployments for real: `prefect server start` (the session's, tests/conftest.py), a process work pool and worker, `prefect deploy --all` from
 deployments/prefect.yaml, and `prefect deployment run 'iterative-dpo/demo'` and `'ppo/demo'` to completion.
 The server and worker listen on 127.0.0.1, die with this process, and are stopped by pid."""
 from __future__ import annotations
 
+import functools
 import json
-import os
 import re
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 from rlhf_core import demo_task, store
-from tests.conftest import die_with_parent, free_port, wait_for_port
 from tests.flows.flowkit import kill_marked
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_run, tmp_path):
-    bindir = Path(sys.executable).parent
-    port, marker = free_port(), uuid.uuid4().hex
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", RLHF_TEST_MARKER=marker)
-
-    def prefect(*args, timeout=300):
-        out = subprocess.run([str(bindir / "prefect"), "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True,
-                             text=True, timeout=timeout)
-        assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-        return out.stdout
-
+def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_run, prefect_server, tmp_path):
+    bindir, port, marker = prefect_server.bindir, prefect_server.port, uuid.uuid4().hex
+    env = dict(prefect_server.env, RLHF_TEST_MARKER=marker)
+    prefect = functools.partial(prefect_server.prefect, env=env)
     procs = []
     try:
-        procs.append(subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                      env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                                      preexec_fn=die_with_parent))
-        wait_for_port(port, procs[0], "prefect server", timeout=180)
         prefect("work-pool", "create", "rlhf-cpu", "--type", "process")  # the README's CPU path: one process pool
         out = prefect("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
         for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo",
@@ -68,9 +54,7 @@ def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_
                                  timeout=120)
             said = out.stdout + out.stderr
             assert out.returncode != 0 and named in said and "Created flow run" not in said, said[-2000:]
-        procs.append(subprocess.Popen([str(bindir / "prefect"), "worker", "start", "--pool", "rlhf-cpu", "--limit", "1"],
-                                      env=env, cwd=tmp_path, stdout=open(tmp_path / "worker.log", "w"),
-                                      stderr=subprocess.STDOUT, preexec_fn=die_with_parent))
+        procs.append(prefect_server.worker("rlhf-cpu", "cpu-worker", tmp_path / "worker.log", extra_env={"RLHF_TEST_MARKER": marker}))
         params = {"demo": False, "root": str(tmp_path / "runs"), "run_name": "deployed", "iterations": 1,
                   "pretrain_uri": demo_run.sft, "reward_uri": demo_run.reward, "sft": {}, "train_rm": {},
                   "prompt_data": f"{demo_run.inputs}/prompts.jsonl",
