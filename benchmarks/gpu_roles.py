@@ -136,7 +136,10 @@ def learner_hp(bf16: bool, zero_stage: int, samples: int, micro: int, new_tokens
                max_epochs=1, generate_max_len=new_tokens, dual_clip=None, use_kl_loss=False, kl_estimator="k1",
                entropy_loss_coef=0.0, value_clip=0.5, reward_max_len=1024, enable_vllm_is_correction=False,
                vllm_is_truncated_threshold=(0.5, 5.0), use_icepop=False, temperature=1.0, eps_clip=0.2,
-               eps_clip_low_high=None, loss_agg=None, advantage_estimator="group_norm")
+               eps_clip_low_high=None, loss_agg=None, advantage_estimator="group_norm", deepspeed_enable_sleep=False,
+               ref_num_nodes=1, ref_num_gpus_per_node=1, ref_reward_offload=False, packing_samples=False,
+               use_dynamic_batch=False, train_max_tokens_per_gpu=16192, rollout_max_tokens_per_gpu=None,
+               adam_offload=False, value_head_prefix="score", pretrain_data=None, ptx_coef=0.05)
     return loop.learner_settings(SimpleNamespace(**cfg))
 
 

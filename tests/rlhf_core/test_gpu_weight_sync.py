@@ -30,6 +30,7 @@ def _source(model_dir: str, handles, acks) -> None:
         acks.get()  # the engine copied it: the buffer may go
     handles.put(None)
     handles.put({k: v.detach().cpu() for k, v in model.named_parameters()})
+    acks.get()  # CPU tensors cross a Queue as shared-memory fds: this process must live until they are received
 
 
 def test_cuda_ipc_hand_over_between_two_processes(zoo):
@@ -52,6 +53,7 @@ def test_cuda_ipc_hand_over_between_two_processes(zoo):
             n += 1
         assert engine.receive_ipc(None) == 1
         expected, got = handles.get(timeout=120), engine.weights()
+        acks.put(True)
         src.join(timeout=60)
         assert n > 1 and src.exitcode == 0
         for k, v in expected.items():

@@ -70,3 +70,23 @@ BASE = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r
 def test_learner_settings_the_host_cannot_run_are_refused_before_ray(over, message):
     with pytest.raises(ConfigError, match=message):
         load_config(ppo.Config, None, {**BASE, **over})
+
+
+def test_the_gpu_tests_and_benchmark_give_the_learner_every_setting_the_stage_does():
+    """The GPU layer (a) files build the Learner's settings from plain namespaces (no pydantic Config there): they
+    must name every field learner_settings reads, or they fail only on the lent GPU (they did: 12 failures on an H200,
+    2026-11-26, `value_head_prefix` and the sleep / packing flags missing)."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rlhf_core.ppo import loop
+    from tests.rlhf_core import test_gpu_roles
+
+    spec = importlib.util.spec_from_file_location("gpu_roles_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_roles.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    defaults = SimpleNamespace(**{k: f.get_default(call_default_factory=True) for k, f in ppo.Config.model_fields.items()})
+    want = set(loop.learner_settings(defaults))
+    assert set(test_gpu_roles.hp()) == want
+    assert set(bench.learner_hp(True, 2, 8, 4, 16)) == want
