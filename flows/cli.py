@@ -8,6 +8,7 @@
     rlhf-flows gc --cache-max-gb N                         shrink this machine's model cache to N GB (LRU first)
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
     rlhf-flows import-openrlhf FILE|- [-o OUT.yaml]        an OpenRLHF launch command or script -> stage YAML
+    rlhf-flows watch URI [--once] [--interval S]           a Prefect event when data files land under URI
 
 `--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
 artifact, reward, generation, job) prints one line naming what failed and exits 2; `--debug` shows the
@@ -295,6 +296,17 @@ def parser() -> argparse.ArgumentParser:
                         "or v0.10+ dotted flags) into the equivalent stage YAML, each key commented with its flag")
     im.add_argument("file", help="shell script or command line (- reads stdin)")
     im.add_argument("-o", "--output", help="write the YAML to this file (default: stdout)")
+    w = sub.add_parser("watch", parents=[debug], help="emit a Prefect event (rlhf.data.landed) when new prompt or "
+                       "preference files appear under URI; a deployment trigger starts a loop on it (flows/watch.py)")
+    w.add_argument("uri", help="prefix to watch: a folder or s3://bucket/prefix (any fsspec URI)")
+    w.add_argument("--once", action="store_true", help="one pass, then exit (default: poll every --interval seconds)")
+    w.add_argument("--interval", type=float, default=60.0, metavar="SECONDS", help="seconds between passes (default 60)")
+    w.add_argument("--pattern", help="comma-separated globs of the files to announce, matched below URI "
+                                     "(default: *.jsonl,*.json,*.parquet,*.csv)")
+    w.add_argument("--kind", default="auto", help="auto (rows with chosen and rejected keys are preferences, "
+                                                  "others prompts), prompts or preferences")
+    w.add_argument("--state", help="JSON file (any fsspec URI) of the files already announced; default: under "
+                                   "RLHF_FLOWS_CACHE (~/.cache/rlhf-flows)/watch/, keyed by URI")
     return p
 
 
@@ -353,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows import openrlhf_import
 
             return openrlhf_import.main(a.file, a.output)
+        if a.cmd == "watch":
+            from flows import watch
+
+            return watch.watch(a.uri, a.once, a.interval, watch.patterns_of(a.pattern), a.kind, a.state)
         if a.cmd == "serve-rm":
             from rlhf_core.serve_rm import serve
 

@@ -28,7 +28,7 @@ def test_deploy_all_and_run_iterative_dpo_and_ppo_through_a_process_worker(demo_
         prefect("work-pool", "create", "rlhf-cpu", "--type", "process")  # the README's CPU path: one process pool
         out = prefect("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
         for name in ("iterative-dpo/demo", "iterative-dpo/nightly", "raft/demo", "conditional-sft/demo",
-                     "ppo/demo", "ppo/nightly"):
+                     "ppo/demo", "ppo/nightly", "iterative-dpo/on-new-data"):
             assert f"Deployment '{name}' successfully created" in out, name
         prefect("work-pool", "create", "rlhf-gpu-docker", "--type", "docker")  # the GPU image's file and pool
         assert "Deployment 'iterative-dpo/gpu' successfully created" in prefect("deploy", "--all", "--prefect-file",
