@@ -122,7 +122,7 @@ def test_learner_trains_on_the_gpu_in_bf16_and_returns_cpu_results(tiny, learner
     batch = experience()
     assert_host_result(learner.forward(batch), batch["mask"].shape)  # old log-probs / values
     out = learner.train(batch, kl_loss_coef=0.0)
-    assert out and all(isinstance(v, float) and math.isfinite(v) for v in out.values())
+    assert out and all(isinstance(v, (int, float)) and math.isfinite(v) for v in out.values())  # padding counts are ints
     assert (out["policy_loss"] if kind == "policy" else out["critic_loss"]) != 0.0
     assert_on_gpu_in_bf16(learner.module)  # the step left the weights where they were
 
