@@ -114,7 +114,18 @@ def flow_run_name() -> str:
 
     p = flow_run.parameters.get("params")
     name = p.get("run_name") if isinstance(p, dict) else getattr(p, "run_name", None)
-    return str(name or "demo")
+    return scheduled_name(str(name or "demo"))
+
+
+def scheduled_name(name: str) -> str:
+    """`name` with `{scheduled}` replaced by the flow run's scheduled start (UTC, to the minute; now outside a
+    flow run): a scheduled deployment's run folder per night (flows/promotion.py), the same for its retries."""
+    if "{scheduled}" not in name:
+        return name
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time.astimezone(dt.timezone.utc)
+    return name.replace("{scheduled}", when.strftime("%Y-%m-%dT%H%MZ"))
 
 
 def start_progress(flow: str, stages: int) -> None:

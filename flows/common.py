@@ -13,11 +13,11 @@ import copy
 import functools
 import json
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from flows import table
+from flows import calls, promotion, table
 from flows.calls import call, settings, stage, stage_config
 from flows.credentials import use_credentials
 from flows.report import Report, training_columns
@@ -118,7 +118,9 @@ class LoopParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     root: str = Field("runs", description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
-    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$", description="Run folder under root; rerun = resume.")
+    run_name: str = Field("demo", pattern=r"^([A-Za-z0-9._-]|\{scheduled\})+$", description="Run folder under root; rerun = "
+                          "resume. `{scheduled}` is replaced by the flow run's scheduled start (e.g. nightly-{scheduled} "
+                          "-> nightly-2026-11-27T0300Z): one folder per scheduled run, the same for its retries.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description=
                                             "fsspec options: endpoint, region... never credentials.")
     credentials_block: str | None = Field(None, description="Name of a Prefect Secret block holding a JSON object of "
@@ -129,6 +131,17 @@ class LoopParams(BaseModel):
     iterations: int = Field(3, ge=1, description="Number of loop iterations.")
     stop_when_gain_below: float | None = Field(None, description="Stop when eval gold/RM reward gains less than this.")
     max_wall_time_s: float | None = Field(None, gt=0, description="Stop starting new iterations after this many seconds.")
+    promote_min_gain: float | None = Field(None, description="Promotion gate (flows/promotion.py): promote an iteration's "
+                                           "policy ({run}/current.json, a Prefect artifact, the flow's result) only when its eval "
+                                           "beats the promoted one by at least this on promote_metric; unset: no gate.")
+    promote_metric: Literal["gold_reward", "rm_reward"] | None = Field(None, description="What the gate compares: held-out "
+                                                                          "gold reward, or RM reward (default: gold where the loop has it).")
+    promote_max_kl: float | None = Field(None, ge=0, description="Promote only with eval KL to the run's starting policy at most this.")
+    stop_when_not_promoted: bool = Field(False, description="Stop the loop after an iteration the gate did not promote.")
+    lineage: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$", description="Runs of one lineage (a nightly deployment) "
+                                "continue from each other: a run starts from the policy the lineage last promoted "
+                                "({root}/_lineages/{lineage}.json; its first run from pretrain_uri) and moves it when it "
+                                "promotes. Needs promote_min_gain.")
     lock_lease_s: float = Field(120.0, gt=0, description="A lock not refreshed for this long is stale.")
     pools: dict[str, str] = Field(default_factory=dict, description="Work pool per stage, e.g. {generate: gpu-vllm, dpo: "
                                   "gpu-train}: those stages run as deployments on their pools (flows/pools.py); the "
@@ -160,7 +173,9 @@ class LoopParams(BaseModel):
 
 
 def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:
-    """Before any work: credentials are in the environment, the store answers and every stage config is valid."""
+    """Before any work: credentials are in the environment, the store answers and every stage config is valid.
+    A `{scheduled}` run_name becomes this flow run's folder name here (p.run_name is the folder from now on)."""
+    p.run_name = calls.scheduled_name(p.run_name)
     if p.credentials_block:
         use_credentials(p.credentials_block)
     store.check_reachable(p.root, p.storage_options)
@@ -199,6 +214,7 @@ def validate(p: LoopParams, flow_name: str, checks: dict | None = None) -> None:
                and s not in {m.__name__.rsplit(".", 1)[-1] for m, _ in own}]
     if missing:  # a flow whose table entry and checks() disagree: a bug, said before any work
         raise ConfigError(f"{flow_name}: stages {missing} of flows/table.py are not in the flow's checks()")
+    promotion.check(p, flow_name)
     if not p.demo:
         missing = [f for f in ("pretrain_uri", "prompt_data") if not getattr(p, f)]
         if not (p.reward_uri or p.reward_func_file or p.reward_url or p.preference_data):
@@ -216,11 +232,16 @@ def prepare_inputs(p: LoopParams, run: dict):
     policy = p.pretrain_uri or d["policy"]
     prompt_data, eval_data = p.prompt_data or d.get("prompts"), p.eval_prompt_data or d.get("eval_prompts")
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
+    if (carried := promotion.start_policy(p)):  # a lineage's later run: its first run did the SFT warm-up
+        calls.run_logger().info("lineage %s: starting from its promoted policy %s%s", p.lineage, carried,
+                                " (SFT warm-up skipped)" if sft_data else "")
+        policy, sft_data = carried, None
     gold = p.gold_reward_file or (_demo_gold() if p.demo else None)
     planned = (1 + 2 * bool(eval_data) + bool(sft_data) + (not (p.reward_uri or p.reward_func_file or p.reward_url))
                + p.iterations * table.calls_per_iteration(run["flow"], p))
     report = Report(run["flow"], p.root, p.run_name, so, stages=planned,
                     tracking={"tensorboard": p.use_tensorboard, "wandb": p.use_wandb, "project": p.wandb_project})
+    report.gate = promotion.Gate(p, run["flow"]) if p.promote_min_gain is not None else None
 
     prepare = stage("prepare")
     prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.train_split}, data=prompt_data,
@@ -321,19 +342,21 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
             row.update({f"{key}_{name}": vm["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
             by_stage[f"eval_{name}"] = vm
     row.update({f"{s}_s": _seconds(m) for s, m in by_stage.items()})
+    if report.gate:
+        report.gate.decide(k, row, policy, by_stage["eval"])
     report.add(row, {f"iter-{k}/{s}": m["uri"] for s, m in by_stage.items()} | {f"iter-{k}/policy": policy})
     return row
 
 
 def iterations(p: LoopParams, report: Report):
     """k = 1..p.iterations, stopping early (reason recorded) on max_wall_time_s before an iteration or on
-    stop_when_gain_below after one."""
+    stop_when_gain_below / stop_when_not_promoted after one."""
     for k in range(1, p.iterations + 1):
         if (why := out_of_time(p, report)):
             report.stop_reason = why
             return
         yield k
-        if (why := converged(p, report)):
+        if (why := converged(p, report) or not_promoted(p, report)):
             report.stop_reason = why
             return
 
@@ -367,4 +390,12 @@ def converged(p: LoopParams, report: Report) -> str | None:
     if last - prev < p.stop_when_gain_below:
         return (f"{key} gained {last - prev:+.4f} in iteration {report.rows[-1]['iteration']}, "
                 f"below stop_when_gain_below={p.stop_when_gain_below:g}")
+    return None
+
+
+def not_promoted(p: LoopParams, report: Report) -> str | None:
+    """`stop_when_not_promoted`: the gate kept the promoted policy after this iteration."""
+    last = report.gate.decisions[-1] if report.gate and report.gate.decisions else None
+    if p.stop_when_not_promoted and last and not last["promoted"]:
+        return f"iteration {last['iteration']} not promoted ({last['reason']}): stop_when_not_promoted"
     return None

@@ -31,6 +31,7 @@ class Report:
         self.eval_variants: dict[str, dict] = {}  # name -> eval settings of a second evaluation (columns *_{name})
         self.png = b""
         self.steps: list[dict] = []  # online RL: one row per training step over all iterations
+        self.gate = None  # flows.promotion.Gate when the run has a promotion gate
 
     def add_steps(self, k: int, log: list[dict]) -> None:
         """Iteration k's online-RL steps (the ppo stage's training_log.json): reward, KL, entropy per step."""
@@ -113,6 +114,8 @@ class Report:
         rep |= {"wall_s": round(sum(attempts.values()), 2), "attempts_wall_s": attempts}
         if self.steps:
             rep["steps"] = self.steps
+        if self.gate:
+            rep["promotion"] = self.gate.summary()
         fs, path = store.filesystem(self.run_uri, self.storage_options)
         store.check_fence()
         with fs.open(store.join(path, "report.json"), "w") as f:
@@ -189,10 +192,29 @@ class Report:
               f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
         md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
         calls.card(f"{key}-report", f"every artifact of the run ({done})", markdown="\n".join(md))
+        if self.gate and self.gate.promoted:
+            self._promotion_card(done)
         # The image inline (a data: URI): the UI cannot open the store's file:// or s3:// URL of reward.png.
         calls.card(f"{key}-plot", f"reward, KL and response length per iteration ({done})",
                    markdown=f"![reward, KL and length per iteration](data:image/png;base64,"
                             f"{base64.b64encode(self.png).decode()})\n\nFile: `{self.run_uri}/reward.png`")
+
+    def _promotion_card(self, done: str) -> None:
+        """The promoted policy and each decision; one key per lineage (else per run), so Prefect's Artifacts page
+        shows the latest promotion of a nightly deployment across its runs."""
+        from flows.promotion import slug
+
+        g, cur = self.gate, self.gate.promoted
+        head = [f"# Promoted: `{cur['policy_uri']}`", f"Iteration {cur['iteration']} of `{self.run_uri}`: {g.metric} "
+                f"{cur[g.metric]:.4f}" + (f", KL {cur['kl']:.4f}" if cur.get("kl") is not None else ""),
+                f"Gate: promote_min_gain={g.p.promote_min_gain:g}" + (f", promote_max_kl={g.p.promote_max_kl:g}"
+                                                                     if g.p.promote_max_kl is not None else "")]
+        if g.p.lineage:
+            head.append(f"Lineage `{g.p.lineage}`: " + (g.lineage_note or "its pointer names this policy"))
+        rows = ["| iteration | promoted | why |", "|---|---|---|"]
+        rows += [f"| {d['iteration']} | {'yes' if d['promoted'] else 'no'} | {d['reason']} |" for d in g.decisions]
+        calls.card(f"promoted-{slug(g.p.lineage or self.run_uri.rsplit('/', 1)[-1])}",
+                   f"{self.flow}: the promoted policy ({done})", markdown="\n\n".join(head) + "\n\n" + "\n".join(rows))
 
 
 def training_columns(name: str, metrics: dict) -> dict:
@@ -206,7 +228,7 @@ def training_columns(name: str, metrics: dict) -> dict:
 
 
 # What a user watches first (gold / RM reward, KL, length), then the loop's own numbers; stage timings last.
-FIRST = ("iteration", "gold_reward", "gold_reward_low", "rm_reward", "rm_reward_low", "kl", "response_length", "samples", "kept", "ties_dropped",
+FIRST = ("iteration", "promoted", "gold_reward", "gold_reward_low", "rm_reward", "rm_reward_low", "kl", "response_length", "samples", "kept", "ties_dropped",
          "train_rm_reward")
 
 
