@@ -16,7 +16,7 @@ import time
 
 from pydantic import Field, field_validator
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core import data, model_inputs, models, ray_jobs, store
 from rlhf_core.generation import BACKENDS, EngineSpec, SamplingSpec, generate
 from stages.common import StageConfig, stage_task
 
@@ -121,6 +121,8 @@ def run(cfg: Config) -> store.Manifest:
     w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
+    if ray_jobs.is_job_address(cfg.ray_address):  # the stage runs on the cluster as a Ray Job, which commits
+        return ray_jobs.run_stage("generate", cfg.model_dump(mode="json", exclude_defaults=True), cfg.ray_address, w)
 
     # 2. inputs, checked before any work
     policy_dir = model_inputs.fetch_model(cfg.policy_uri, cfg.storage_options, manifest=policy_m)

@@ -35,7 +35,7 @@ from pydantic import Field, model_validator
 
 import torch
 
-from rlhf_core import agent, data, model_inputs, models, rl_math, store
+from rlhf_core import agent, data, model_inputs, models, ray_jobs, rl_math, store
 from rlhf_core.generation import model_input
 from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
 from rlhf_core.train import checkpoints
@@ -443,6 +443,8 @@ def run(cfg: Config) -> store.Manifest:
     w = store.ArtifactWriter(cfg.output_uri, "ppo", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
+    if ray_jobs.is_job_address(cfg.ray_address):  # the stage runs on the cluster as a Ray Job, which commits
+        return ray_jobs.run_stage("ppo", cfg.model_dump(mode="json", exclude_defaults=True), cfg.ray_address, w)
 
     # 2. every input checked before Ray starts
     if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():

@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, model_inputs, store
+from rlhf_core import data, model_inputs, ray_jobs, store
 from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
 from stages.common import ConfigError, StageConfig, stage_task
 
@@ -79,6 +79,8 @@ def run(cfg: Config) -> store.Manifest:
     w = store.ArtifactWriter(cfg.output_uri, "score", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done
+    if ray_jobs.is_job_address(cfg.ray_address):  # the stage runs on the cluster as a Ray Job, which commits
+        return ray_jobs.run_stage("score", cfg.model_dump(mode="json", exclude_defaults=True), cfg.ray_address, w)
 
     # 2. inputs, checked before any work
     table = store.read_table(cfg.samples_uri, storage_options=cfg.storage_options)

@@ -1,0 +1,178 @@
+"""Stages as Ray Jobs (rlhf_core/ray_jobs.py) against a real local Ray head started here with its own ports and
+temp dir (`ray start --head --block`, stopped by pid): generate submitted with ray_address=http://HEAD:PORT
+commits on the moto store, its job is SUCCEEDED in the job list, its lines reach the stage's log and the store
+credentials reach the job through its env_vars only (the head runs without them); a stage interrupted
+mid-job stops its job; an address where no job API answers is named before anything is written."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_core import demo_task, ray_jobs, store
+from stages import generate
+from tests.conftest import die_with_parent, free_port, upload_folder
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = str(Path(sys.executable).parent)
+STORE_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+
+
+def node_env(cache: Path) -> dict:
+    """A Ray node's environment: this venv first on PATH (the job runs `rlhf-flows`), its own model cache,
+    and none of the store's variables: a job must get them from the submitter."""
+    env = {k: v for k, v in os.environ.items() if k not in STORE_VARS}
+    return {**env, "PATH": VENV_BIN + os.pathsep + env.get("PATH", ""), "RLHF_FLOWS_CACHE": str(cache),
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+
+
+def fixed_ports() -> list[str]:
+    """Every port a node opens, free ones: no clash with other Ray instances of the test session."""
+    return ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+            "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+            "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
+            "--min-worker-port", str(p := free_port()), "--max-worker-port", str(p + 50)]
+
+
+def stop_session(proc: subprocess.Popen, timeout: float = 90) -> None:
+    """Stop what `proc` (started with start_new_session) started: SIGTERM to it (`ray start --block` stops its
+    node's processes), then SIGKILL to any process still in its session, each by pid."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for pid in session_pids(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def session_pids(sid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == sid and (d / "status").read_text().find("State:\tZ") < 0:
+                    out.append(int(d.name))
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                pass
+    return out
+
+
+def wait_job_api(address: str, proc: subprocess.Popen, log: Path, timeout: float = 180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the Ray head exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            return ray_jobs.client(address)
+        except ray_jobs.RayJobError:
+            time.sleep(1)
+    raise AssertionError(f"no job API at {address} after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-node Ray cluster (2 CPUs) with its job API on 127.0.0.1, in a temp dir of its own (short: Ray's
+    socket paths must fit 107 bytes)."""
+    tmp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))
+    dash = free_port()
+    cmd = [os.path.join(VENV_BIN, "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+           "--port", str(free_port()), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+           "--ray-client-server-port", str(free_port()), "--num-cpus", "2", "--temp-dir", str(tmp / "ray"),
+           "--object-store-memory", str(200 * 1024 ** 2), *fixed_ports()]
+    log = tmp / "head.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=node_env(tmp / "cache"), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=die_with_parent)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        yield type("Head", (), {"address": address, "jobs": wait_job_api(address, proc, log), "pid": proc.pid})
+    finally:
+        stop_session(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def inputs(tiny, s3_root):
+    """The tiny policy and 6 raw prompts on the moto store (the cluster reads them from there)."""
+    prompts = f"{s3_root}/raw/prompts.jsonl"
+    fs, path = store.filesystem(prompts)
+    fs.pipe_file(path, "\n".join(json.dumps({"input": demo_task.prompt_for(t)}) for t in demo_task.THINGS[:6]).encode())
+    return upload_folder(tiny.policy_dir, f"{s3_root}/policy"), prompts
+
+
+def gen_config(policy, prompts, out, address, **kw):
+    return generate.Config(**{**dict(policy_uri=policy, prompts_uri=prompts, output_uri=out, backend="hf",
+                                     num_engines=1, best_of_n=2, max_new_tokens=6, input_template=demo_task.INPUT_TEMPLATE,
+                                     ray_address=address), **kw})
+
+
+def jobs_for(head, out: str) -> list:
+    return [j for j in head.jobs.list_jobs() if (j.metadata or {}).get("output_uri") == out]
+
+
+def test_generate_as_a_ray_job_commits_and_streams_its_log(ray_head, inputs, s3_root, caplog):
+    out = f"{s3_root}/samples"
+    cfg = gen_config(*inputs, out, ray_head.address)
+    with caplog.at_level(logging.INFO, logger="rlhf_flows"):
+        m = generate.run(cfg)
+    held = store.read_manifest(out)
+    assert (held.fingerprint, held.rows) == (m.fingerprint, 12)
+    [job] = jobs_for(ray_head, out)
+    assert str(job.status.value) == "SUCCEEDED" and job.submission_id.startswith("rlhf-generate-")
+    assert job.entrypoint.startswith("rlhf-flows stage generate ") and "ray_address=\"auto\"" in job.entrypoint.replace("'", "")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"generate committed at {out}") for line in lines)  # printed by the job's CLI
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in caplog.text and secret not in job.entrypoint
+    # a rerun finds the committed artifact: no second job
+    assert generate.run(cfg).created_at == m.created_at and len(jobs_for(ray_head, out)) == 1
+
+
+def test_a_stage_interrupted_mid_job_stops_its_job(ray_head, inputs, s3_root):
+    out = f"{s3_root}/stopped"
+    policy, prompts = inputs
+    args = [f"{k}={v}" for k, v in dict(policy_uri=policy, prompts_uri=prompts, output_uri=out, backend="hf",
+                                        num_engines=1, best_of_n=64, max_new_tokens=64, batch_size=1,
+                                        ray_address=ray_head.address).items()]
+    proc = subprocess.Popen([os.path.join(VENV_BIN, "rlhf-flows"), "stage", "generate", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=die_with_parent)
+    try:
+        deadline = time.time() + 120
+        while not [j for j in jobs_for(ray_head, out) if str(j.status.value) == "RUNNING"]:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.poll() is not None else "no RUNNING job"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # what a cancelled Prefect run or a batch system's kill sends
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        stop_session(proc, timeout=5)
+    [job] = jobs_for(ray_head, out)
+    deadline = time.time() + 60
+    while str(ray_head.jobs.get_job_status(job.submission_id).value) not in ("STOPPED", "SUCCEEDED", "FAILED"):
+        assert time.time() < deadline
+        time.sleep(0.5)
+    assert str(ray_head.jobs.get_job_status(job.submission_id).value) == "STOPPED"
+    assert not store.committed_any(out)
+
+
+def test_an_address_with_no_job_api_is_named_before_anything_is_written(inputs, s3_root):
+    out, address = f"{s3_root}/nowhere", f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ray_jobs.RayJobError, match=f"ray_address {address}: no Ray job API answers there"):
+        generate.run(gen_config(*inputs, out, address))
+    fs, path = store.filesystem(out)
+    assert not fs.exists(path)
