@@ -82,7 +82,7 @@ def run_stage(stage: str, config: dict, address: str, writer: store.ArtifactWrit
     with _sigterm_exits():
         jobs.submit_job(entrypoint=entrypoint(stage, config), submission_id=job_id, runtime_env={"env_vars": job_env()},
                         metadata={"rlhf_flows_stage": stage, "output_uri": output_uri})
-        log.info("submitted Ray job %s (%s) to %s", job_id, stage, address)
+        log.info("launching Ray job %s (%s) on %s", job_id, stage, address)
         try:
             status, tail = _follow(jobs, job_id, poll_s)
         except BaseException:

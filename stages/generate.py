@@ -53,7 +53,8 @@ class Config(StageConfig):
     logprobs: bool = Field(True, description="Record the sum of the sampled tokens' logprobs.")
     # runtime only (placement and speed): not in the fingerprint
     num_engines: int = Field(1, ge=0, description="Ray actors running the backend (0 = in this process, no Ray).")
-    ray_address: str | None = Field(None, description="Join this Ray cluster; default: a local Ray for the stage.")
+    ray_address: str | None = Field(None, description="HEAD:6379 joins that Ray cluster; http://HEAD:8265 runs the "
+                                       "stage there as a Ray Job (its job API); default: a local Ray for the stage.")
     batch_size: int = Field(64, ge=1, description="hf: prompts per generate call.")
     max_num_seqs: int | None = Field(None, ge=1, description="vllm: the engine's max_num_seqs (sequences decoded at "
                                      "once, --max_num_seqs); hf: sequences (prompts x best_of_n) per generate call, "

@@ -25,6 +25,7 @@ generates on policy rank 0; agent_executor_path runs a file's AgentExecutor (Ope
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
+    or as a Ray Job through the head's job API: ray_address=http://HEAD:8265 (rlhf_core.ray_jobs)
 """
 from __future__ import annotations
 
@@ -207,7 +208,8 @@ class Config(StageConfig):
     actor_num_gpus_per_node: int = Field(1, ge=1, description="Policy ranks per node (CPU processes without a GPU).")
     critic_num_nodes: int = Field(1, ge=1)
     critic_num_gpus_per_node: int = Field(1, ge=1)
-    ray_address: str | None = Field(None, description="Join this Ray cluster; default a local Ray for the stage.")
+    ray_address: str | None = Field(None, description="HEAD:6379 joins that Ray cluster; http://HEAD:8265 runs the "
+                                       "stage there as a Ray Job (its job API); default: a local Ray for the stage.")
     ray_timeout_s: float = Field(120, gt=0, description="Seconds to wait for the placement group.")
     save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
     max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept.")

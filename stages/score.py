@@ -54,7 +54,8 @@ class Config(StageConfig):
     dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32.")
     # runtime only: not in the fingerprint
     num_engines: int = Field(1, ge=0, description="Ray actors for the reward model (0 = in this process, no Ray).")
-    ray_address: str | None = Field(None, description="Join this Ray cluster; default: a local Ray for the stage.")
+    ray_address: str | None = Field(None, description="HEAD:6379 joins that Ray cluster; http://HEAD:8265 runs the "
+                                       "stage there as a Ray Job (its job API); default: a local Ray for the stage.")
     batch_size: int = Field(64, ge=1, description="Rows per forward pass / reward_func call / HTTP request.")
     timeout_s: float = Field(30.0, gt=0, description="Remote reward server: seconds per request.")
     retries: int = Field(3, ge=1, description="Remote reward server: attempts per request.")
