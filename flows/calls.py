@@ -5,6 +5,7 @@ lost its lock before the stage starts. Every flow reaches every stage through th
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import importlib
 import json
 import re
@@ -44,17 +45,22 @@ def stage_config(module, base, **fields):
 
 
 def call(stage_task_obj, cfg) -> dict:
-    """Run one stage (stages.common.call) and advance the flow's progress artifact: per stage, and inside a
+    """Run one stage (stages.common.call; on its work pool where the flow's `pools` names one: flows/pools.py)
+    and advance the flow's progress artifact: per stage, and inside a
     stage per training step line / finished generate or score chunk (at most once a second). A run whose
     lock was lost stops here, before the next stage starts."""
+    from flows import pools
     from rlhf_core import progress
 
     store.check_fence()
     label, tags = task_run_label(stage_task_obj.name, cfg.output_uri)
-    stage_task_obj = stage_task_obj.with_options(task_run_name=label, tags=tags)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")  # as manifests write times
+    if (pool := pools.pool_of(stage_task_obj.name)):  # a child flow run on its work pool (flows/pools.py)
+        run = functools.partial(pools.run_on_pool, stage_task_obj.name, cfg, label, tags, pool)
+    else:
+        run = functools.partial(run_stage, stage_task_obj.with_options(task_run_name=label, tags=tags), cfg)
     if not _progress.get("id"):
-        return _said(label, run_stage(stage_task_obj, cfg), started)
+        return _said(label, run(), started)
     from prefect.artifacts import update_progress_artifact
 
     last = [0.0]
@@ -67,7 +73,7 @@ def call(stage_task_obj, cfg) -> dict:
 
     progress.listeners.append(within)
     try:
-        out = run_stage(stage_task_obj, cfg)
+        out = run()
     finally:
         progress.listeners.remove(within)
     _progress["done"] += 1
