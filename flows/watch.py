@@ -127,11 +127,16 @@ def payload(prefix: str, new: dict[str, dict], kinds: dict[str, str]) -> dict:
     return {"prefix": prefix.rstrip("/"), "files": files, "prompt_data": of("prompts"), "preference_data": of("preferences")}
 
 
+class EventNotSent(RuntimeError):
+    """The Prefect server did not take the event: the files stay unannounced for the next pass."""
+
+
 def emit(prefix: str, data: dict) -> str:
     """Send the event and wait until the server has it (a websocket closed cleanly after the send); any
-    failure raises, so the files stay unannounced. Returns the event id."""
+    failure raises EventNotSent, so the files stay unannounced. Returns the event id."""
     from prefect.events import Event
     from prefect.events.clients import get_events_client
+    from prefect.settings import PREFECT_API_URL
 
     event = Event(event=EVENT, resource={"prefect.resource.id": resource_id(prefix), "prefect.resource.name": prefix.rstrip("/")},
                   payload=data)
@@ -140,16 +145,24 @@ def emit(prefix: str, data: dict) -> str:
         async with get_events_client(reconnection_attempts=2) as client:
             await client.emit(event)
 
-    asyncio.run(send())
+    try:
+        asyncio.run(send())
+    except Exception as e:
+        raise EventNotSent(f"{EVENT} for {prefix} not sent to {PREFECT_API_URL.value()}: {type(e).__name__}: {e}") from None
     return str(event.id)
 
 
 def check_api() -> None:
+    """Before any pass: a Prefect server is configured and answers (its health check)."""
+    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
     if not PREFECT_API_URL.value():
         raise ValueError("rlhf-flows watch sends its events to a Prefect server: set PREFECT_API_URL "
                          "(e.g. http://127.0.0.1:4200/api), the server that holds the triggered deployment")
+    with get_client(sync_client=True) as client:
+        if (error := client.api_healthcheck()) is not None:
+            raise EventNotSent(f"the Prefect server at {PREFECT_API_URL.value()} does not answer: {type(error).__name__}: {error}")
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -168,21 +181,31 @@ def one_pass(prefix: str, state: str, patterns: tuple[str, ...] = PATTERNS, kind
 
 
 def watch(prefix: str, once: bool = False, interval: float = 60.0, patterns: tuple[str, ...] = PATTERNS,
-          kind: str = "auto", state: str | None = None, say=print) -> int:
-    """The `watch` command. Bad input (no API, unreadable prefix, bad interval or kind) fails before any event."""
+          kind: str = "auto", state: str | None = None, say=lambda line: print(line, flush=True)) -> int:
+    """The `watch` command. Bad input (no API, unreadable prefix, bad interval or kind) fails at the first
+    pass, before any event; when polling, a later pass that fails (a network error, a prefix moved away) is
+    said and retried at the next interval, so one outage does not end the watch."""
     if kind not in KINDS:
         raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if interval <= 0:
         raise ValueError(f"--interval must be > 0 seconds, got {interval:g}")
     check_api()
     state = state or default_state(prefix)
+    passes = 0
     while True:
-        sent = one_pass(prefix, state, patterns, kind)
-        if sent:
-            say(f"{EVENT} {sent['event_id']}: {len(sent['files'])} new file(s) under {prefix}: "
-                + ", ".join(f"{f['uri']} ({f['kind']})" for f in sent["files"]))
+        try:
+            sent = one_pass(prefix, state, patterns, kind)
+        except (OSError, store.ArtifactError, EventNotSent) as e:
+            if once or not passes:
+                raise
+            say(f"pass failed (retrying in {interval:g} s): {e}")
         else:
-            say(f"no new files under {prefix}")
+            if sent:
+                say(f"{EVENT} {sent['event_id']}: {len(sent['files'])} new file(s) under {prefix}: "
+                    + ", ".join(f"{f['uri']} ({f['kind']})" for f in sent["files"]))
+            else:
+                say(f"no new files under {prefix}")
+        passes += 1
         if once:
             return 0
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 
 from flows import watch
 from rlhf_core import store
+from tests.conftest import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
@@ -139,7 +141,42 @@ def test_a_landed_prompt_file_starts_the_triggered_loop_which_reads_it(demo_run,
                              capture_output=True, timeout=120,
                              env={k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
         assert out.returncode == 2 and prefix in out.stderr and "credentials" in out.stderr.lower(), out.stderr
+        out = subprocess.run([str(prefect_server.bindir / "rlhf-flows"), "watch", prefix, "--once"], cwd=tmp_path, text=True,
+                             capture_output=True, timeout=120, env={**env, "PREFECT_API_URL": "http://127.0.0.1:1/api"})
+        assert out.returncode == 2 and "http://127.0.0.1:1/api does not answer" in out.stderr, out.stderr
         assert sorted((tmp_path / "cache" / "watch").iterdir()) == states
+
+        # polling: a file landing between passes is announced at the next pass; a pass that fails (the folder
+        # moved away) is said and retried, and the watch goes on without announcing a file twice
+        land, away = tmp_path / "land", tmp_path / "away"
+        land.mkdir()
+        poll = subprocess.Popen([str(prefect_server.bindir / "rlhf-flows"), "watch", str(land), "--interval", "0.5"],
+                                env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=die_with_parent)
+        guard = threading.Timer(120, poll.kill)  # a watch that stops talking ends the read below with EOF
+        guard.start()
+
+        def next_line(start: str) -> str:
+            for line in iter(poll.stdout.readline, ""):
+                if line.startswith(start):
+                    return line
+            raise AssertionError(f"watch ended (rc {poll.wait()}) before a line starting {start!r}")
+
+        try:
+            next_line("no new files")
+            (land / "a.jsonl.tmp").write_text(rows[0] + "\n")
+            (land / "a.jsonl.tmp").rename(land / "a.jsonl")
+            assert f"{land}/a.jsonl (prompts)" in next_line(watch.EVENT)
+            land.rename(away)
+            assert f"watch prefix {land} does not exist" in next_line("pass failed (retrying in 0.5 s)")
+            (away / "b.jsonl").write_text(rows[1] + "\n")
+            away.rename(land)
+            line = next_line(watch.EVENT)
+            assert f"1 new file(s) under {land}: {land}/b.jsonl (prompts)" in line and "a.jsonl" not in line, line
+        finally:
+            guard.cancel()
+            poll.terminate()
+            poll.wait(30)
     finally:
         if worker:
             os.killpg(worker.pid, 15)
