@@ -1,12 +1,12 @@
 """Stages as Ray Jobs (rlhf_core/ray_jobs.py) against a real local Ray head started here with its own ports and
 temp dir (`ray start --head --block`, stopped by pid): generate submitted with ray_address=http://HEAD:PORT
-commits on the moto store, its job is SUCCEEDED in the job list, its lines reach the stage's log and the store
+commits on the moto store from a flow, its job is SUCCEEDED in the job list, its lines reach the run log and the store
 credentials reach the job through its env_vars only (the head runs without them); a stage interrupted
 mid-job stops its job; an address where no job API answers is named before anything is written."""
 from __future__ import annotations
 
 import json
-import logging
+import re
 import os
 import shutil
 import signal
@@ -125,22 +125,40 @@ def jobs_for(head, out: str) -> list:
     return [j for j in head.jobs.list_jobs() if (j.metadata or {}).get("output_uri") == out]
 
 
-def test_generate_as_a_ray_job_commits_and_streams_its_log(ray_head, inputs, s3_root, caplog):
+def test_generate_as_a_ray_job_commits_and_streams_its_log(ray_head, inputs, s3_root, prefect_harness, capfd):
+    """Inside a flow (Prefect's local API): the job's lines reach the task's run log at the levels a local
+    stage's lines get (the job's "generated ..." line at INFO; row counts and the job CLI's report at debug,
+    and on the console as they come)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.context import FlowRunContext
+    from prefect.logging.handlers import APILogHandler
+
     out = f"{s3_root}/samples"
     cfg = gen_config(*inputs, out, ray_head.address)
-    with caplog.at_level(logging.INFO, logger="rlhf_flows"):
-        m = generate.run(cfg)
+
+    @flow(name="ray-job-generate")
+    def one_stage():
+        return generate.task(cfg), str(FlowRunContext.get().flow_run.id)
+
+    m, flow_run_id = one_stage()
     held = store.read_manifest(out)
-    assert (held.fingerprint, held.rows) == (m.fingerprint, 12)
+    assert (held.fingerprint, held.rows) == (m["fingerprint"], 12)
     [job] = jobs_for(ray_head, out)
     assert str(job.status.value) == "SUCCEEDED" and job.submission_id.startswith("rlhf-generate-")
     assert job.entrypoint.startswith("rlhf-flows stage generate ") and "ray_address=\"auto\"" in job.entrypoint.replace("'", "")
-    lines = [r.getMessage() for r in caplog.records]
-    assert any(line.startswith(f"generate committed at {out}") for line in lines)  # printed by the job's CLI
+    APILogHandler().flush()
+    with get_client(sync_client=True) as c:
+        messages = [e.message for e in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+    console = capfd.readouterr().err
+    assert f"launching Ray job {job.submission_id} (generate) on {ray_head.address}" in messages
+    assert any(re.fullmatch(r"generated 6 x 2 samples with hf on 1 engine\(s\) in [\d.]+s", x) for x in messages), messages
+    assert f"generate committed at {out}" in console  # the job's CLI printed it
     secret = os.environ["AWS_SECRET_ACCESS_KEY"]
-    assert secret not in caplog.text and secret not in job.entrypoint
+    assert secret not in console and not any(secret in x for x in messages) and secret not in job.entrypoint
     # a rerun finds the committed artifact: no second job
-    assert generate.run(cfg).created_at == m.created_at and len(jobs_for(ray_head, out)) == 1
+    assert generate.run(cfg).created_at == m["created_at"] and len(jobs_for(ray_head, out)) == 1
 
 
 def test_a_stage_interrupted_mid_job_stops_its_job(ray_head, inputs, s3_root):
