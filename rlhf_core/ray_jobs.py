@@ -37,6 +37,7 @@ from rlhf_core import store
 log = logging.getLogger("rlhf_flows")
 
 STORE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_STORAGE_")
+ANSWER_TIMEOUT_S = 10.0  # the job API's first answer (GET /api/version)
 
 
 class RayJobError(RuntimeError):
@@ -50,13 +51,15 @@ def is_job_address(address: str | None) -> bool:
 
 def client(address: str):
     """A job client for `address`, or a RayJobError naming it (before any work: nothing is written)."""
+    import requests
     from ray.job_submission import JobSubmissionClient
 
-    try:
+    try:  # Ray's own check has no timeout: a host that drops packets would hang the stage for minutes
+        requests.get(f"{address.rstrip('/')}/api/version", timeout=ANSWER_TIMEOUT_S).raise_for_status()
         return JobSubmissionClient(address)
-    except Exception as e:  # ConnectionError, a non-Ray HTTP server, a version mismatch
+    except Exception as e:  # refused, silent, a non-Ray HTTP server, a version mismatch
         raise RayJobError(f"ray_address {address}: no Ray job API answers there ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); start the head with its dashboard (ray start --head "
+                          f"{(str(e).splitlines() or [''])[0][:200]}); start the head with its dashboard (ray start --head "
                           f"--dashboard-host 0.0.0.0, port 8265) or give HEAD:6379 to join as a driver") from None
 
 

@@ -10,6 +10,7 @@ import re
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -188,9 +189,17 @@ def test_a_stage_interrupted_mid_job_stops_its_job(ray_head, inputs, s3_root):
     assert not store.committed_any(out)
 
 
-def test_an_address_with_no_job_api_is_named_before_anything_is_written(inputs, s3_root):
-    out, address = f"{s3_root}/nowhere", f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(ray_jobs.RayJobError, match=f"ray_address {address}: no Ray job API answers there"):
-        generate.run(gen_config(*inputs, out, address))
+@pytest.mark.parametrize("listener", ["none", "silent"])
+def test_an_address_with_no_job_api_is_named_before_anything_is_written(inputs, s3_root, listener, monkeypatch):
+    """Nothing listening (refused), or a socket that accepts and never answers (a dropped route would hang
+    Ray's own check, which has no timeout)."""
+    monkeypatch.setattr(ray_jobs, "ANSWER_TIMEOUT_S", 1.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        if listener == "silent":
+            sock.listen(1)
+        out, address = f"{s3_root}/nowhere", f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(ray_jobs.RayJobError, match=f"ray_address {address}: no Ray job API answers there"):
+            generate.run(gen_config(*inputs, out, address))
     fs, path = store.filesystem(out)
     assert not fs.exists(path)
