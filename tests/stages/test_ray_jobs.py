@@ -203,3 +203,25 @@ def test_an_address_with_no_job_api_is_named_before_anything_is_written(inputs, 
             generate.run(gen_config(*inputs, out, address))
     fs, path = store.filesystem(out)
     assert not fs.exists(path)
+
+
+def test_the_job_entrypoint_reads_back_as_the_same_config():
+    """The job's command line (values as JSON, read back by the CLI as YAML scalars) gives the stage the very
+    config the submitter validated, with ray_address=auto: floats in exponent form, quotes, newlines, tuples,
+    dicts and None included."""
+    import shlex
+
+    from flows.cli import parse
+    from stages import ppo
+    from stages.common import load_config
+
+    cfg = ppo.Config(policy_uri="s3://b/p", prompts_uri="s3://b/q.jsonl", output_uri="s3://b/o",
+                     reward_func_path="s3://b/rf.py", actor_learning_rate=5e-7, init_kl_coef=1e-05,
+                     input_template="User: {}\nAssistant's \"turn\": ", storage_options={"endpoint_url": "http://h:9000"},
+                     dynamic_filtering=True, dynamic_filtering_reward_range=(-0.5, 1e-3), n_samples_per_prompt=2,
+                     advantage_estimator="group_norm", ray_address="http://head:8265")
+    argv = shlex.split(ray_jobs.entrypoint("ppo", cfg.model_dump(mode="json", exclude_defaults=True)))
+    assert argv[:3] == ["rlhf-flows", "stage", "ppo"]
+    a = parse(argv[1:])
+    back = load_config(ppo.Config, a.config, a.overrides)
+    assert back == cfg.model_copy(update={"ray_address": "auto"})
