@@ -5,7 +5,7 @@ job dies after ~30 s of network loss, and recommend Ray Jobs. A Ray Job's driver
 whatever happens to this process's connection; here we only poll its status and logs over HTTP
 (ray.job_submission.JobSubmissionClient, the API behind `ray job submit`).
 
-What the job runs: `rlhf-flows stage NAME key=value ...` with the stage's config (values as JSON, which the
+What the job runs: `rlhf-flows stage NAME --debug key=value ...` with the stage's config (values as JSON, which the
 CLI reads back as YAML scalars) and `ray_address=auto`, so the stage inside the job joins the cluster as its
 driver, exactly as `ray_address=HEAD:6379` does from outside. So every node must have this project installed
 with the same code (the fingerprint holds the code version): the image or venv the nodes run, `rlhf-flows` on
@@ -70,9 +70,10 @@ def job_env() -> dict[str, str]:
 
 
 def entrypoint(stage: str, config: dict) -> str:
-    """The command the job runs: the stage CLI with every set value as key=<json> (JSON is YAML)."""
+    """The command the job runs: the stage CLI with every set value as key=<json> (JSON is YAML). --debug: it
+    prints every line (and a failure's traceback); the submitting side filters them as it does a local job's."""
     args = [f"{k}={json.dumps(v)}" for k, v in {**config, "ray_address": "auto"}.items()]
-    return " ".join(["rlhf-flows", "stage", stage, *map(shlex.quote, args)])
+    return " ".join(["rlhf-flows", "stage", stage, "--debug", *map(shlex.quote, args)])
 
 
 def run_stage(stage: str, config: dict, address: str, writer: store.ArtifactWriter, poll_s: float = 1.0) -> store.Manifest:

@@ -1,13 +1,15 @@
 """Stages as Ray Jobs (rlhf_core/ray_jobs.py) against a real local Ray head started here with its own ports and
-temp dir (`ray start --head --block`, stopped by pid): generate submitted with ray_address=http://HEAD:PORT
-commits on the moto store from a flow, its job is SUCCEEDED in the job list, its lines reach the run log and the store
-credentials reach the job through its env_vars only (the head runs without them); a stage interrupted
-mid-job stops its job; an address where no job API answers is named before anything is written."""
+temp dir (`ray start --head --block`, stopped by pid): ppo submitted from a Prefect flow with
+ray_address=http://HEAD:PORT commits on the moto store, its job is SUCCEEDED in the job list, its lines reach the
+task's run log, and the store credentials reach the job through its env_vars only (the head runs without them);
+a generate stage interrupted mid-job stops its job; an address where no job API answers (refused, or silent) is
+named before anything is written; the job's command line reads back as the submitter's config."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core import demo_task, ray_jobs, store
-from stages import generate
+from stages import generate, ppo
 from tests.conftest import die_with_parent, free_port, upload_folder
 
 pytestmark = pytest.mark.slow
@@ -38,11 +40,23 @@ def node_env(cache: Path) -> dict:
 
 
 def fixed_ports() -> list[str]:
-    """Every port a node opens, free ones: no clash with other Ray instances of the test session."""
+    """Every port a node opens, free ones: no clash with other Ray instances of the test session. The workers'
+    range lies below the kernel's ephemeral ports (where free_port() draws the others) and is free now."""
+    lo = next(lo for lo in (random.randrange(20000, 32000 - 50) for _ in range(100))
+              if all(bindable(p) for p in range(lo, lo + 51)))
     return ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
             "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
             "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
-            "--min-worker-port", str(p := free_port()), "--max-worker-port", str(p + 50)]
+            "--min-worker-port", str(lo), "--max-worker-port", str(lo + 50)]
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def stop_session(proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -109,10 +123,10 @@ def ray_head():
 
 @pytest.fixture
 def inputs(tiny, s3_root):
-    """The tiny policy and 6 raw prompts on the moto store (the cluster reads them from there)."""
+    """The tiny policy and 8 raw prompts on the moto store (the cluster reads them from there)."""
     prompts = f"{s3_root}/raw/prompts.jsonl"
     fs, path = store.filesystem(prompts)
-    fs.pipe_file(path, "\n".join(json.dumps({"input": demo_task.prompt_for(t)}) for t in demo_task.THINGS[:6]).encode())
+    fs.pipe_file(path, "\n".join(json.dumps(r) for r in demo_task.prompts(8, 0)).encode())
     return upload_folder(tiny.policy_dir, f"{s3_root}/policy"), prompts
 
 
@@ -126,40 +140,46 @@ def jobs_for(head, out: str) -> list:
     return [j for j in head.jobs.list_jobs() if (j.metadata or {}).get("output_uri") == out]
 
 
-def test_generate_as_a_ray_job_commits_and_streams_its_log(ray_head, inputs, s3_root, prefect_harness, capfd):
-    """Inside a flow (Prefect's local API): the job's lines reach the task's run log at the levels a local
-    stage's lines get (the job's "generated ..." line at INFO; row counts and the job CLI's report at debug,
-    and on the console as they come)."""
+def test_ppo_as_a_ray_job_from_a_flow_commits_and_streams_its_log(ray_head, inputs, s3_root, prefect_harness, capfd):
+    """One ppo step (GRPO on the demo's gold reward, 8 prompts x 2 samples) submitted from a Prefect flow:
+    committed on the store by the job, SUCCEEDED in the job list; the job's lines reach the task's run log at
+    the levels a local stage's lines get (the launch line at INFO; the step line and the job CLI's report at
+    debug: on the console as they come); no credential in the log, the console or the entrypoint."""
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.context import FlowRunContext
     from prefect.logging.handlers import APILogHandler
 
-    out = f"{s3_root}/samples"
-    cfg = gen_config(*inputs, out, ray_head.address)
+    policy, prompts = inputs
+    out = f"{s3_root}/ppo"
+    cfg = ppo.Config(policy_uri=policy, prompts_uri=prompts, output_uri=out, reward_func_path=demo_task.__file__,
+                     input_template=demo_task.INPUT_TEMPLATE, generate_max_len=8, lr_warmup_ratio=0.0,
+                     rollout_batch_size=8, train_batch_size=16, micro_train_batch_size=8, n_samples_per_prompt=2,
+                     advantage_estimator="group_norm", init_kl_coef=0.0, ray_address=ray_head.address)
 
-    @flow(name="ray-job-generate")
+    @flow(name="ray-job-ppo")
     def one_stage():
-        return generate.task(cfg), str(FlowRunContext.get().flow_run.id)
+        return ppo.task(cfg), str(FlowRunContext.get().flow_run.id)
 
     m, flow_run_id = one_stage()
     held = store.read_manifest(out)
-    assert (held.fingerprint, held.rows) == (m["fingerprint"], 12)
+    assert held.fingerprint == m["fingerprint"] and held.metrics["steps_done"] == held.metrics["planned_steps"] == 1
     [job] = jobs_for(ray_head, out)
-    assert str(job.status.value) == "SUCCEEDED" and job.submission_id.startswith("rlhf-generate-")
-    assert job.entrypoint.startswith("rlhf-flows stage generate ") and "ray_address=\"auto\"" in job.entrypoint.replace("'", "")
+    assert str(job.status.value) == "SUCCEEDED" and job.submission_id.startswith("rlhf-ppo-")
+    assert job.entrypoint.startswith("rlhf-flows stage ppo --debug ") and "ray_address=\"auto\"" in job.entrypoint.replace("'", "")
     APILogHandler().flush()
     with get_client(sync_client=True) as c:
         messages = [e.message for e in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
     console = capfd.readouterr().err
-    assert f"launching Ray job {job.submission_id} (generate) on {ray_head.address}" in messages
-    assert any(re.fullmatch(r"generated 6 x 2 samples with hf on 1 engine\(s\) in [\d.]+s", x) for x in messages), messages
-    assert f"generate committed at {out}" in console  # the job's CLI printed it
+    assert f"launching Ray job {job.submission_id} (ppo) on {ray_head.address}" in messages
+    # the job's lines, through the task's run log handler: the step line and the job CLI's report are debug
+    # lines there (as a local ppo stage's), so they reach the console as they come
+    assert re.search(r"^ppo step 1/1 reward [\d.-]+ kl ", console, re.M) and f"ppo committed at {out}" in console
     secret = os.environ["AWS_SECRET_ACCESS_KEY"]
     assert secret not in console and not any(secret in x for x in messages) and secret not in job.entrypoint
     # a rerun finds the committed artifact: no second job
-    assert generate.run(cfg).created_at == m["created_at"] and len(jobs_for(ray_head, out)) == 1
+    assert ppo.run(cfg).created_at == m["created_at"] and len(jobs_for(ray_head, out)) == 1
 
 
 def test_a_stage_interrupted_mid_job_stops_its_job(ray_head, inputs, s3_root):
@@ -221,7 +241,7 @@ def test_the_job_entrypoint_reads_back_as_the_same_config():
                      dynamic_filtering=True, dynamic_filtering_reward_range=(-0.5, 1e-3), n_samples_per_prompt=2,
                      advantage_estimator="group_norm", ray_address="http://head:8265")
     argv = shlex.split(ray_jobs.entrypoint("ppo", cfg.model_dump(mode="json", exclude_defaults=True)))
-    assert argv[:3] == ["rlhf-flows", "stage", "ppo"]
+    assert argv[:4] == ["rlhf-flows", "stage", "ppo", "--debug"]
     a = parse(argv[1:])
     back = load_config(ppo.Config, a.config, a.overrides)
     assert back == cfg.model_copy(update={"ray_address": "auto"})
