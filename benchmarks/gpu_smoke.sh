@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU layer (a), for the lent GPU machine: the ppo roles in-process on CUDA in bf16 (no Ray, no vLLM:
 # tests/rlhf_core/test_gpu_roles.py), then the figures of benchmarks/gpu_roles.py (Qwen2-0.5B / 1.5B shapes,
-# random weights built there). Under 10 minutes: tests capped at 330 s, the benchmark at 230 s.
+# random weights built there) and the CUDA-IPC weight hand-over (benchmarks/gpu_weight_sync.py). Under 13
+# minutes: tests capped at 330 s, the benchmarks at 230 s and 200 s.
 #
 # That machine's image has Python 3.12, torch + CUDA, transformers, peft, pyarrow, fsspec, pytest, and no
 # deepspeed, ray, vllm, prefect, datasets or s3fs; nothing can be installed there from a registry. DeepSpeed
@@ -58,5 +59,8 @@ tests_rc=${PIPESTATUS[0]}
 timeout -k 10 230 python3 benchmarks/gpu_roles.py --device cuda 2>&1 | tee "$OUT/gpu_roles.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "gpu_smoke: tests exit $tests_rc, benchmark exit $bench_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+timeout -k 10 200 python3 benchmarks/gpu_weight_sync.py 2>&1 | tee "$OUT/gpu_weight_sync.log"
+sync_rc=${PIPESTATUS[0]}
+
+echo "gpu_smoke: tests exit $tests_rc, benchmark exit $bench_rc, weight sync exit $sync_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$sync_rc" -eq 0 ]
