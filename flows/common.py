@@ -228,11 +228,12 @@ def prepare_inputs(p: LoopParams, run: dict):
     Returns (policy_uri, score kwargs naming the reward source, prompts_uri, Report with iteration 0)."""
     at = lambda stage: store.run_prefix(p.root, p.run_name, stage)  # noqa: E731
     so = p.storage_options
+    carried = promotion.start_policy(p)  # first: a lineage pointer naming a changed artifact is refused before any work
     d = demo_inputs(p.root, p.run_name, storage_options=so) if p.demo else {}
     policy = p.pretrain_uri or d["policy"]
     prompt_data, eval_data = p.prompt_data or d.get("prompts"), p.eval_prompt_data or d.get("eval_prompts")
     sft_data, pref_data = p.sft_data or d.get("sft"), p.preference_data or d.get("preferences")
-    if (carried := promotion.start_policy(p)):  # a lineage's later run: its first run did the SFT warm-up
+    if carried:  # a lineage's later run: its first run did the SFT warm-up
         calls.run_logger().info("lineage %s: starting from its promoted policy %s%s", p.lineage, carried,
                                 " (SFT warm-up skipped)" if sft_data else "")
         policy, sft_data = carried, None

@@ -132,3 +132,21 @@ def test_scheduled_run_name_is_the_flow_runs_scheduled_start(prefect_harness):
 
     name, folder, when = named()
     assert name == folder == "nightly-" + when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
+
+
+def test_a_lineage_pointer_naming_a_changed_policy_is_refused_before_any_work(demo_run, s3_root):
+    """The policy a lineage promoted was since re-committed with other settings (its fingerprint differs): the
+    next run of the lineage is refused naming both fingerprints; it records no start and commits nothing."""
+    from flows.iterative_dpo import Params, iterative_dpo
+
+    fs, path = store.filesystem(promotion.lineage_uri(s3_root, "moved"))
+    fs.pipe_file(path, json.dumps({"run": f"{s3_root}/night-1", "promoted": {
+        "iteration": 1, "policy_uri": demo_run.sft, "policy_fingerprint": "0" * 20}}).encode())
+    params = nightly(demo=False, root=s3_root, run_name="night-2", lineage="moved", pretrain_uri=demo_run.sft,
+                     reward_uri=demo_run.reward, prompt_data=f"{demo_run.inputs}/prompts.jsonl",
+                     eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl", gold_reward_file=demo_task.__file__,
+                     sft={}, train_rm={})
+    fingerprint = store.read_manifest(demo_run.sft).fingerprint
+    with pytest.raises(ConfigError, match=f"promoted {demo_run.sft} with fingerprint 0{{20}}, but it now holds {fingerprint}"):
+        iterative_dpo(Params(**params))
+    assert manifests(f"{s3_root}/night-2") == {} and not fs.exists(f"{s3_root}/night-2/start.json")
