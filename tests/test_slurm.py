@@ -36,13 +36,15 @@ def test_the_sbatch_script_runs_a_stage_on_its_ray_nodes_without_slurm(tiny, s3_
 
     tmp = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     dash = free_port()
+    head_ports = fixed_ports()  # each node its own ports; the two worker-port ranges apart
+    worker_ports = next(w for w in iter(fixed_ports, None) if abs(int(w[-3]) - int(head_ports[-3])) > 51)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=VENV_BIN + os.pathsep + env.get("PATH", ""), RLHF_NODES="127.0.0.1 127.0.0.1",
                RAY_PORT=str(free_port()), RAY_DASHBOARD_PORT=str(dash), RAY_DASHBOARD_HOST="127.0.0.1",
                RAY_HEAD_ARGS=" ".join(["--num-cpus", "1", "--temp-dir", str(tmp / "ray"), "--ray-client-server-port",
-                                       str(free_port()), "--object-store-memory", str(100 * 1024 ** 2), *fixed_ports()]),
+                                       str(free_port()), "--object-store-memory", str(100 * 1024 ** 2), *head_ports]),
                RAY_WORKER_ARGS=" ".join(["--num-cpus", "1", "--node-ip-address", "127.0.0.1",
-                                         "--object-store-memory", str(100 * 1024 ** 2), *fixed_ports()]),
+                                         "--object-store-memory", str(100 * 1024 ** 2), *worker_ports]),
                RLHF_WORKER_DELAY_S="2", RLHF_CLUSTER_TIMEOUT_S="180", RLHF_FLOWS_CACHE=str(tmp / "cache"),
                RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
     cmd = ["bash", str(SCRIPT), "rlhf-flows", "stage", "score", f"samples_uri={samples}", f"reward_model_uri={reward}",
