@@ -249,12 +249,13 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from rlhf_core.rewards import RewardError
     from rlhf_core.train.checkpoints import CheckpointError
     from rlhf_core.train.launch import TrainingIncomplete
+    from flows.pools import RunCancelled
     from flows.watch import EventNotSent
     from stages.common import StageFailed
 
     # ValueError covers ConfigError, DataError and FilterError, and the config checks inside run().
     return (ValueError, store.ArtifactError, FileNotFoundError, PermissionError, RewardError, GenerationError,
-            JobFailed, TrainingIncomplete, CheckpointError, StageFailed, EventNotSent)
+            JobFailed, TrainingIncomplete, CheckpointError, StageFailed, EventNotSent, RunCancelled)
 
 
 def parser() -> argparse.ArgumentParser:

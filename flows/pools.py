@@ -31,8 +31,10 @@ deployment `rlhf-stage/<pool>` on their pools; every other stage runs in the flo
   without starting a flow run.
 - Hand-over: seconds from the `run_deployment` call to the child starting its stage (the child's clock minus the
   parent's, so a clock skew between hosts adds in), logged per stage and kept in that record.
-- Cancellation: the parent cancels its child when it stops waiting for it (the parent cancelled, failed or
-  killed by a signal); Prefect's server also cancels the subflows of a cancelled flow run.
+- Cancellation: the parent cancels its child when it stops waiting for it (the parent failed or killed by a
+  signal), and while it waits it watches its own flow run: cancelled (from the UI or `prefect flow-run cancel`),
+  it cancels the child and ends Cancelled itself (RunCancelled). A loop started by `rlhf-flows run` has no worker to act on a
+  cancel request, and Prefect's server cancels the subflows of a flow run only once that run is Cancelled.
 """
 from __future__ import annotations
 
@@ -48,12 +50,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow
+from prefect.exceptions import Abort
 
 from flows import table
 from rlhf_core import store
 from stages.common import ConfigError, StageFailed
 
 FLOW = "rlhf-stage"
+
+
+class RunCancelled(Abort):
+    """The loop's flow run was cancelled while a stage ran on a pool. An Abort, so that Prefect's engine leaves the
+    run Cancelled (an ordinary exception would be proposed as Failed over it)."""
+
 PROJECT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = "flows/pools.py:stage_flow"
 
@@ -178,15 +187,21 @@ def watch(client, child, beat_uri: str, so: dict, lease_s: float, label: str, po
     is older than `lease_s` (3 x before its first beat) is marked Crashed and StageFailed raised. A child not
     yet final when this stops waiting (cancel, signal, failure) is cancelled."""
     from prefect.client.schemas.objects import StateType
+    from prefect.context import FlowRunContext
     from prefect.states import Cancelled, Cancelling, Crashed
 
     from flows.calls import run_logger
 
     log = run_logger()
     seen, heard, said, waiting_said = None, time.time(), False, time.time()
-    fr = child
+    fr, me = child, FlowRunContext.get().flow_run.id
     try:
         while True:
+            parent = client.read_flow_run(me)
+            if parent.state and parent.state.type in (StateType.CANCELLING, StateType.CANCELLED):
+                # a loop run by `rlhf-flows run` has no worker to stop it: it stops here, its child first (finally)
+                client.set_flow_run_state(me, Cancelled(message=f"cancelled while {label} ran on pool {pool}"), force=True)
+                raise RunCancelled(f"{label}: the loop's flow run was cancelled; its flow run on pool {pool!r} is cancelled")
             fr = client.read_flow_run(child.id)
             beat = _read(beat_uri, so) or {}
             worker = fr.labels.get("prefect.worker.name") or beat.get("worker")
