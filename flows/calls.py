@@ -45,10 +45,10 @@ def stage_config(module, base, **fields):
 
 
 def call(stage_task_obj, cfg) -> dict:
-    """Run one stage (stages.common.call; on its work pool where the flow's `pools` names one: flows/pools.py)
-    and advance the flow's progress artifact: per stage, and inside a
-    stage per training step line / finished generate or score chunk (at most once a second). A run whose
-    lock was lost stops here, before the next stage starts."""
+    """Run one stage (stages.common.call, or on the work pool the flow's `pools` names for it: flows/pools.py)
+    and advance the flow's progress artifact: per stage, and inside an in-process stage per training step line /
+    finished generate or score chunk (at most once a second). A run whose lock was lost stops here, before the
+    next stage starts."""
     from flows import pools
     from rlhf_core import progress
 

@@ -122,27 +122,30 @@ def deployment(client, pool) -> str:
     return name
 
 
-def pool_of(stage_name: str) -> str | None:
-    """The pool the running loop flow gives `stage_name` (its `pools` parameter), or None: run it in-process."""
+def loop_param(name: str):
+    """A parameter of the running loop flow (its `params`: a LoopParams or its dict), None outside one."""
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
     p = (ctx.parameters or {}).get("params") if ctx else None
-    pools = p.get("pools") if isinstance(p, dict) else getattr(p, "pools", None)
-    return (pools or {}).get(stage_name)
+    return p.get(name) if isinstance(p, dict) else getattr(p, name, None)
+
+
+def pool_of(stage_name: str) -> str | None:
+    """The pool the running loop flow gives `stage_name` (its `pools` parameter), or None: run it in-process."""
+    return (loop_param("pools") or {}).get(stage_name)
 
 
 # ---------------------------------------------------------------------------------------------- the parent's side
 def run_on_pool(name: str, cfg, label: str, tags: list[str], pool: str) -> dict:
     """Stage `name` with `cfg` as a child flow run on `pool`; returns the manifest it committed, read from the store."""
-    from flows.calls import run_logger
-    from flows.lock import held
+    from prefect.logging import get_run_logger
 
-    so, log = cfg.storage_options, run_logger()
-    run_uri, lease = next(((u, lz) for u, lz in held.items() if str(cfg.output_uri).startswith(u.rstrip("/") + "/")),
-                          (None, None))
-    if lease is None:
+    so, log = cfg.storage_options, get_run_logger()
+    fence = json.loads(os.environ[store.FENCE_ENV]) if os.environ.get(store.FENCE_ENV) else None
+    if not fence or not loop_param("run_name"):
         raise ConfigError(f"{label}: a stage runs on a work pool only inside a loop flow's run (which holds its lock)")
+    run_uri, lease_s = store.join(loop_param("root"), loop_param("run_name")), float(loop_param("lock_lease_s"))
     slug = label.replace("/", "-")
     record_uri = store.join(run_uri, "_pools", f"{slug}.json")
     key = call_key(name, cfg)
@@ -156,14 +159,13 @@ def run_on_pool(name: str, cfg, label: str, tags: list[str], pool: str) -> dict:
     from prefect.deployments import run_deployment
 
     beat_uri = store.join(run_uri, "_pools", f"{slug}.beat-{uuid.uuid4().hex[:8]}.json")
-    fence = json.loads(os.environ[store.FENCE_ENV]) if os.environ.get(store.FENCE_ENV) else None
     t0 = time.time()
-    child = run_deployment(f"{FLOW}/{pool}", parameters=dict(stage=name, config=cfg.model_dump(mode="json"), fence=fence,
-                                                             beat_uri=beat_uri, beat_s=lease.lease_s / 4),
+    child = run_deployment(f"{FLOW}/{pool}", parameters=dict(stage=name, config=cfg.model_dump(mode="json"), label=label,
+                                                             tags=tags, fence=fence, beat_uri=beat_uri, beat_s=lease_s / 4),
                            flow_run_name=label, tags=tags, timeout=0, as_subflow=True)
     log.info("%s: flow run %s on pool %s (deployment %s/%s)", label, child.id, pool, FLOW, pool)
     with get_client(sync_client=True) as client:
-        fr, beat = watch(client, child, beat_uri, so, lease.lease_s, label, pool, t0)
+        fr, beat = watch(client, child, beat_uri, so, lease_s, label, pool, t0)
         worker = fr.labels.get("prefect.worker.name") or beat.get("worker")
         _settle_parent_task(client, fr)
     if not fr.state.is_completed():
@@ -188,11 +190,10 @@ def watch(client, child, beat_uri: str, so: dict, lease_s: float, label: str, po
     yet final when this stops waiting (cancel, signal, failure) is cancelled."""
     from prefect.client.schemas.objects import StateType
     from prefect.context import FlowRunContext
+    from prefect.logging import get_run_logger
     from prefect.states import Cancelled, Cancelling, Crashed
 
-    from flows.calls import run_logger
-
-    log = run_logger()
+    log = get_run_logger()
     seen, heard, said, waiting_said = None, time.time(), False, time.time()
     fr, me = child, FlowRunContext.get().flow_run.id
     try:
@@ -330,16 +331,17 @@ def heartbeat(uri: str, so: dict, every_s: float):
 
 
 @flow(name=FLOW, log_prints=True)
-def stage_flow(stage: str, config: dict, beat_uri: str, beat_s: float = 30.0, fence: dict | None = None) -> dict:
+def stage_flow(stage: str, config: dict, beat_uri: str, label: str, tags: list[str], beat_s: float = 30.0,
+               fence: dict | None = None) -> dict:
     """One stage of a loop run, on the pool its deployment belongs to: stages.common.call as the loop's own
-    process would run it, fenced by the loop's run lock; returns (and commits) the manifest."""
-    from flows.calls import stage as stage_module, task_run_label
+    process would run it (its task run named and tagged as there), fenced by the loop's run lock; returns (and
+    commits) the manifest."""
+    import importlib
+
     from stages.common import call as run_stage
 
     so = config.get("storage_options") or {}
     with fenced(fence), heartbeat(beat_uri, so, beat_s):  # beating from here: the stage's imports count as its time
-        module = stage_module(stage)
-        cfg = module.Config(**config)
-        label, tags = task_run_label(stage, cfg.output_uri)
-        out = run_stage(module.task.with_options(task_run_name=label, tags=tags), cfg)
+        module = importlib.import_module(f"stages.{stage}")
+        out = run_stage(module.task.with_options(task_run_name=label, tags=tags), module.Config(**config))
     return {k: out[k] for k in ("uri", "stage", "fingerprint", "created_at")}
