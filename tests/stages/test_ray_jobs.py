@@ -245,3 +245,15 @@ def test_the_job_entrypoint_reads_back_as_the_same_config():
     a = parse(argv[1:])
     back = load_config(ppo.Config, a.config, a.overrides)
     assert back == cfg.model_copy(update={"ray_address": "auto"})
+
+
+def test_the_job_gets_the_store_credentials_and_the_run_lock_fence_and_nothing_else(monkeypatch):
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/keys/sa.json")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "azkey")
+    monkeypatch.setenv(store.FENCE_ENV, '{"uri": "s3://b/run/_LOCK", "token": "t"}')
+    monkeypatch.setenv("HF_TOKEN", "not-the-store's")
+    env = ray_jobs.job_env()
+    assert {"GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_ACCOUNT_KEY", store.FENCE_ENV} <= set(env)
+    assert env[store.FENCE_ENV] == '{"uri": "s3://b/run/_LOCK", "token": "t"}' and "HF_TOKEN" not in env
+    assert {k for k in env if k.startswith("AWS_")} == {k for k in os.environ if k.startswith("AWS_")}
+    assert all(k.startswith(("AWS_", "GOOGLE_", "AZURE_STORAGE_")) or k == store.FENCE_ENV for k in env)
