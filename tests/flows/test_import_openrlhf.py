@@ -249,3 +249,5 @@ def test_the_flags_issue_27_added_map_to_their_keys():
                                          "--pretrain ./p --dataset ./q.jsonl --output_path ./o.jsonl --max_num_seqs 64",
                                          "gen.sh"))["generate"]
     assert gen["max_num_seqs"] == 64
+    _, readme = imported("readme_ppo_v0.11.0.sh")  # `ray job submit --address=http://...`: submitted there as a Ray Job
+    assert readme["ppo"]["ray_address"] == "http://127.0.0.1:8265"
