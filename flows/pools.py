@@ -57,14 +57,13 @@ from rlhf_core import store
 from stages.common import ConfigError, StageFailed
 
 FLOW = "rlhf-stage"
+PROJECT = Path(__file__).resolve().parents[1]
+ENTRYPOINT = "flows/pools.py:stage_flow"
 
 
 class RunCancelled(Abort):
     """The loop's flow run was cancelled while a stage ran on a pool. An Abort, so that Prefect's engine leaves the
     run Cancelled (an ordinary exception would be proposed as Failed over it)."""
-
-PROJECT = Path(__file__).resolve().parents[1]
-ENTRYPOINT = "flows/pools.py:stage_flow"
 
 
 # ---------------------------------------------------------------------------------------------- before any work
@@ -191,7 +190,7 @@ def watch(client, child, beat_uri: str, so: dict, lease_s: float, label: str, po
     from prefect.client.schemas.objects import StateType
     from prefect.context import FlowRunContext
     from prefect.logging import get_run_logger
-    from prefect.states import Cancelled, Cancelling, Crashed
+    from prefect.states import Cancelled, Cancelling
 
     log = get_run_logger()
     seen, heard, said, waiting_said = None, time.time(), False, time.time()
@@ -223,9 +222,7 @@ def watch(client, child, beat_uri: str, so: dict, lease_s: float, label: str, po
             if now - heard > limit:
                 why = (f"no heartbeat from flow run {fr.name} ({fr.id}) on pool {pool!r} (worker {worker}) for "
                        f"{now - heard:.0f} s (lock_lease_s={lease_s:g}): its worker or its process died")
-                client.set_flow_run_state(fr.id, Crashed(message=why), force=True)
-                fr = client.read_flow_run(fr.id)
-                _settle_parent_task(client, fr)
+                fr = _crash(client, fr, why)
                 raise StageFailed(f"{label}: {why}; rerun to resume (nothing it left is committed)")
             time.sleep(1.0)
     finally:
@@ -235,6 +232,24 @@ def watch(client, child, beat_uri: str, so: dict, lease_s: float, label: str, po
                 client.set_flow_run_state(fr.id, Cancelled() if scheduled else Cancelling(), force=True)
             except Exception:  # noqa: BLE001  the API gone too: the server cancels subflows of a cancelled run
                 pass
+
+
+def _crash(client, fr, why: str):
+    """A dead child: its flow run and the task runs it left Running set Crashed (nothing else will: their process
+    is gone), and its stand-in task run in the parent Failed. Returns the flow run as it is now."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState,
+                                                TaskRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    client.set_flow_run_state(fr.id, Crashed(message=why), force=True)
+    for tr in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])),
+                                    task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
+                                        any_=[StateType.RUNNING, StateType.PENDING])))):
+        client.set_task_run_state(tr.id, Crashed(message=why), force=True)
+    fr = client.read_flow_run(fr.id)
+    _settle_parent_task(client, fr)
+    return fr
 
 
 def _settle_parent_task(client, fr) -> None:

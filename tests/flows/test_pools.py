@@ -128,6 +128,9 @@ def test_stages_on_two_pools_then_a_dead_training_worker_and_a_resume(demo_run, 
                        "iter-1/dpo": [(train_worker, "CRASHED"), (train_worker, "COMPLETED")]}, ran
         fs, path = store.filesystem(f"{run}/report.json")
         report_run = json.loads(fs.cat_file(path))["flow_run_id"]
+        dead = children["iter-1/dpo"][0]["id"]  # its task runs, left Running by the kill, were set Crashed too
+        left = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [dead]}}}).json()
+        assert left and {t["state_type"] for t in left} <= {"CRASHED", "COMPLETED"}, [(t["name"], t["state_type"]) for t in left]
         parents = {name: [_parent_of(api, fr) for fr in frs] for name, frs in children.items()}
         first_parent = parents["iter-1/generate"][0]
         assert parents["iter-1/score"] == parents["iter-1/reference"] == [first_parent]
