@@ -33,11 +33,24 @@ def _inputs(m: store.Manifest) -> dict[str, str]:
     return {i["name"]: i["uri"] for i in m.inputs}
 
 
+def _card(key: str, flow_run_id: str) -> str:
+    """The markdown of flow run `flow_run_id`'s artifact `key`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]),
+                                                                     flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert len(found) == 1, found  # one card per run, updated in place
+    return found[0].data
+
+
 def test_a_worse_night_is_not_promoted_and_the_next_night_starts_from_the_promoted_policy(demo_run, s3_root, tmp_path):
     """Night 1 (the demo's reward model) promotes its iteration; night 2 starts from it, trains on a reversed reward,
     loses gold reward and is not promoted: its pointer still names night 1's policy and says why. Night 3 starts
     from night 1's policy too. A rerun of night 2, after another run moved the lineage on, redoes nothing, reaches
-    the same decisions and leaves the lineage's pointer where it is."""
+    the same decisions, leaves the lineage's pointer where it is, and with stop_when_not_promoted (and one more
+    iteration asked for) stops after iteration 1."""
     from flows.iterative_dpo import Params, iterative_dpo
 
     data = dict(demo=False, root=s3_root, pretrain_uri=demo_run.sft, prompt_data=f"{demo_run.inputs}/prompts.jsonl",
@@ -69,6 +82,8 @@ def test_a_worse_night_is_not_promoted_and_the_next_night_starts_from_the_promot
     assert f"gains {gold2[1] - gold2[0]:+.4f} over iteration 0's" in current["decisions"][1]["reason"]
     assert "below promote_min_gain=0" in current["decisions"][1]["reason"]
     assert _read(lineage)["promoted"]["policy_uri"] == promoted
+    card = _card("promoted-iterative-dpo-nightly", second["flow_run_id"])  # the lineage's card, this run's version
+    assert f"# Promoted: `{promoted}`" in card and "| 1 | no | gold_reward" in card
 
     third = iterative_dpo(Params(**nightly(**data, reward_uri=demo_run.reward, max_wall_time_s=1e-3)))  # run_name nightly-{scheduled}
     run3 = third["run"]
@@ -81,7 +96,8 @@ def test_a_worse_night_is_not_promoted_and_the_next_night_starts_from_the_promot
     moved = {**_read(lineage), "run": f"{s3_root}/night-9", "promoted": {**_read(lineage)["promoted"], "policy_uri": demo_run.sft}}
     fs, path = store.filesystem(lineage)
     fs.pipe_file(path, json.dumps(moved).encode())
-    again = iterative_dpo(worse)
+    again = iterative_dpo(worse.model_copy(update={"iterations": 2, "stop_when_not_promoted": True}))
+    assert again["stop_reason"] == f"iteration 1 not promoted ({current['decisions'][1]['reason']}): stop_when_not_promoted"
     assert {k: (m.fingerprint, m.created_at) for k, m in manifests(f"{s3_root}/night-2").items()} == \
         {k: (m.fingerprint, m.created_at) for k, m in m2.items()}
     assert again["promotion"]["decisions"] == second["promotion"]["decisions"]
