@@ -160,7 +160,8 @@ def run_on_pool(name: str, cfg, label: str, tags: list[str], pool: str) -> dict:
     beat_uri = store.join(run_uri, "_pools", f"{slug}.beat-{uuid.uuid4().hex[:8]}.json")
     t0 = time.time()
     child = run_deployment(f"{FLOW}/{pool}", parameters=dict(stage=name, config=cfg.model_dump(mode="json"), label=label,
-                                                             tags=tags, fence=fence, beat_uri=beat_uri, beat_s=lease_s / 4),
+                                                             tags=tags, fence=fence, beat_uri=beat_uri, beat_s=lease_s / 4,
+                                                             credentials_block=loop_param("credentials_block")),
                            flow_run_name=label, tags=tags, timeout=0, as_subflow=True)
     log.info("%s: flow run %s on pool %s (deployment %s/%s)", label, child.id, pool, FLOW, pool)
     with get_client(sync_client=True) as client:
@@ -243,9 +244,9 @@ def _crash(client, fr, why: str):
     from prefect.states import Crashed
 
     client.set_flow_run_state(fr.id, Crashed(message=why), force=True)
+    running = TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]), name=None)
     for tr in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])),
-                                    task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
-                                        any_=[StateType.RUNNING, StateType.PENDING])))):
+                                    task_run_filter=TaskRunFilter(state=running)):
         client.set_task_run_state(tr.id, Crashed(message=why), force=True)
     fr = client.read_flow_run(fr.id)
     _settle_parent_task(client, fr)
@@ -347,14 +348,17 @@ def heartbeat(uri: str, so: dict, every_s: float):
 
 @flow(name=FLOW, log_prints=True)
 def stage_flow(stage: str, config: dict, beat_uri: str, label: str, tags: list[str], beat_s: float = 30.0,
-               fence: dict | None = None) -> dict:
+               fence: dict | None = None, credentials_block: str | None = None) -> dict:
     """One stage of a loop run, on the pool its deployment belongs to: stages.common.call as the loop's own
-    process would run it (its task run named and tagged as there), fenced by the loop's run lock; returns (and
-    commits) the manifest."""
+    process would run it (its task run named and tagged as there, the loop's credentials block loaded), fenced by
+    the loop's run lock; returns (and commits) the manifest."""
     import importlib
 
+    from flows.credentials import use_credentials
     from stages.common import call as run_stage
 
+    if credentials_block:
+        use_credentials(credentials_block)
     so = config.get("storage_options") or {}
     with fenced(fence), heartbeat(beat_uri, so, beat_s):  # beating from here: the stage's imports count as its time
         module = importlib.import_module(f"stages.{stage}")
