@@ -119,6 +119,11 @@ def test_stages_on_two_pools_then_a_dead_training_worker_and_a_resume(demo_run, 
             r"(iter-1/\w+): on pool \S+ \(worker (\S+)\), hand-over ([\d.]+) s", log1 + log2)}
         assert set(handover) == {"iter-1/generate", "iter-1/score", "iter-1/reference", "iter-1/dpo"}, handover
         print("hand-over seconds (run_deployment call to stage start):", handover)
+        for label, pool, worker in (("iter-1/generate", gen_pool, gen_worker), ("iter-1/dpo", train_pool, train_worker)):
+            fs, path = store.filesystem(f"{run}/_pools/{label.replace('/', '-')}.json")
+            rec = json.loads(fs.cat_file(path))  # the record a rerun skips by, with who ran it and the hand-over
+            assert (rec["pool"], rec["worker"], rec["created_at"]) == (pool, worker, second[label].created_at), rec
+            assert rec["handover_s"] > 0 and rec["stage_s"] > 0, rec
 
         # 3. from the API: which worker ran which child flow run, each a child of its loop's flow run
         children = _children(api, run_name)
