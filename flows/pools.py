@@ -33,7 +33,7 @@ deployment `rlhf-stage/<pool>` on their pools; every other stage runs in the flo
   parent's, so a clock skew between hosts adds in), logged per stage and kept in that record.
 - Cancellation: the parent cancels its child when it stops waiting for it (the parent failed or killed by a
   signal), and while it waits it watches its own flow run: cancelled (from the UI or `prefect flow-run cancel`),
-  it cancels the child and ends Cancelled itself (RunCancelled). A loop started by `rlhf-flows run` has no worker to act on a
+  it cancels the child and ends Cancelled itself (RunCancelled). A loop started from the command line (`run`) has no worker to act on a
   cancel request, and Prefect's server cancels the subflows of a flow run only once that run is Cancelled.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def deployment(client, pool) -> str:
         client.create_deployment(flow_id, pool.name, work_pool_name=pool.name, entrypoint=ENTRYPOINT, path=str(PROJECT),
                                  pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT)}}],
                                  parameter_openapi_schema=parameter_schema(stage_flow.fn).model_dump(),
-                                 description="One rlhf-flows stage of a loop run, on this pool (flows/pools.py).")
+                                 description="One stage of an rlhf-flows loop run, on this pool (flows/pools.py).")
         return name
     try:
         client.read_deployment_by_name(name)
@@ -200,7 +200,7 @@ def watch(client, child, beat_uri: str, so: dict, lease_s: float, label: str, po
         while True:
             parent = client.read_flow_run(me)
             if parent.state and parent.state.type in (StateType.CANCELLING, StateType.CANCELLED):
-                # a loop run by `rlhf-flows run` has no worker to stop it: it stops here, its child first (finally)
+                # a loop started from the command line has no worker to stop it: it stops here, its child first (finally)
                 client.set_flow_run_state(me, Cancelled(message=f"cancelled while {label} ran on pool {pool}"), force=True)
                 raise RunCancelled(f"{label}: the loop's flow run was cancelled; its flow run on pool {pool!r} is cancelled")
             fr = client.read_flow_run(child.id)
