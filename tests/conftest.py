@@ -152,17 +152,19 @@ def prefect_server(tmp_path_factory):
             proc.kill()
 
 
+LOOPS_GROUP = {"test_loops.py", "test_pools.py", "test_watch.py"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once).
-    # The files that use the session's demo run form two groups, the loops and the rest (about equal work):
-    # each group's worker trains the demo once, and the two halves of the longest tests run side by side.
-    # Files that start the session's `prefect server` join the demo-other group, so one server serves them all.
+    # The files that use the session's demo run (or its prefect server) form two groups of about equal work, each
+    # group's worker training the demo once: the loops with two of the server tests, and the rest.
     demo_files = {item.path for item in items if {"demo_run", "prefect_server"} & set(getattr(item, "fixturenames", ()))}
     for item in items:
         group = str(item.path)
         if item.path in demo_files:
-            group = "demo-loops" if item.path.name == "test_loops.py" else "demo-other"
+            group = "demo-loops" if item.path.name in LOOPS_GROUP else "demo-other"
         item.add_marker(pytest.mark.xdist_group(group))
     try:
         import torch
