@@ -53,6 +53,16 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float =
     raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout}s")
 
 
+def stop(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a server this session started, SIGKILL if it has not exited after `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 @pytest.fixture(scope="session")
 def moto_s3():
     """A real S3 HTTP endpoint with bucket `rlhf-test`; the AWS variables point at it for the session."""
@@ -72,11 +82,7 @@ def moto_s3():
         s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}).mkdir("rlhf-test")
         yield SimpleNamespace(endpoint=endpoint, bucket="rlhf-test", port=port, pid=proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 10)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -145,11 +151,7 @@ def prefect_server(tmp_path_factory):
         yield SimpleNamespace(port=port, api=f"http://127.0.0.1:{port}/api", env=env, prefect=prefect, worker=worker,
                               bindir=bindir, log=home / "server.log", pid=proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 30)
 
 
 LOOPS_GROUP = {"test_loops.py", "test_pools.py", "test_watch.py"}
