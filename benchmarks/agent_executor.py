@@ -1,4 +1,4 @@
-"""Episodes/s of the agent executor (rlhf_core.agent): N multi-turn episodes run concurrently (their turns
+"""Episodes/s of the agent executor (rlhf_core.rollout.agent): N multi-turn episodes run concurrently (their turns
 batched into one generate call per engine per turn) vs the same N episodes run one at a time, on the same
 in-process HF rollout engine (rlhf_core.ppo.engines.HFRollout, fp32) with the tiny demo policy and the shipped
 environment configs/agents/review_retry.py (a weak review is sent back, 3 tries at most; the untrained tiny
@@ -31,7 +31,9 @@ def main() -> None:
 
     import torch
 
-    from rlhf_core import agent, demo_task, models, tiny
+    from rlhf_core.rollout import agent
+    from rlhf_core.demo import demo_task, tiny
+    from rlhf_core.inputs import models
     from rlhf_core.ppo.engines import HFRollout
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

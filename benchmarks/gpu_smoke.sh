@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU layer (a), for the lent GPU machine: the ppo roles in-process on CUDA in bf16 (no Ray, no vLLM:
-# tests/rlhf_core/test_gpu_roles.py), then the figures of benchmarks/gpu_roles.py (Qwen2-0.5B / 1.5B shapes,
+# tests/rlhf_core/ppo/test_gpu_roles.py), then the figures of benchmarks/gpu_roles.py (Qwen2-0.5B / 1.5B shapes,
 # random weights built there) and the CUDA-IPC weight hand-over (benchmarks/gpu_weight_sync.py). Under 13
 # minutes: tests capped at 330 s, the benchmarks at 230 s and 200 s.
 #
@@ -53,7 +53,7 @@ print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else '
 
 # addopts emptied: the project's (-n auto --maxprocesses 2 --dist loadgroup) need pytest-xdist
 timeout -k 10 330 python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -raP -m gpu \
-  tests/rlhf_core/test_gpu_roles.py tests/rlhf_core/test_gpu_weight_sync.py -q 2>&1 | tee "$OUT/pytest.log"
+  tests/rlhf_core/ppo/test_gpu_roles.py tests/rlhf_core/ppo/test_gpu_weight_sync.py -q 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
 timeout -k 10 230 python3 benchmarks/gpu_roles.py --device cuda 2>&1 | tee "$OUT/gpu_roles.log"

@@ -83,7 +83,7 @@ def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, ch
 
 
 def main(trl_python: str, steps: int, size: str) -> None:
-    from rlhf_core import demo_task, tiny
+    from rlhf_core.demo import demo_task, tiny
     from stages import ppo
 
     out: dict = {"settings": {"prompts_per_step": P, "samples_per_prompt": G, "completion_len": MAX_LEN,

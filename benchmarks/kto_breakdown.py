@@ -29,7 +29,7 @@ def main():
     a = trl_peer.parser("preference pairs, unpaired into 2x KTO rows").parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_core import data
+    from rlhf_core.inputs import data
     from rlhf_core.train import adamw
     from rlhf_core.train.batches import BatchPlan
     from rlhf_core.train.entry import forward

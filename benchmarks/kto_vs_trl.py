@@ -38,7 +38,8 @@ def main():
         return
     from transformers import AutoTokenizer
 
-    from rlhf_core import data, store
+    from rlhf_core.inputs import data
+    from rlhf_core import store
     from stages import kto
 
     root, policy, policy_uri, pairs = trl_peer.setup("kto-bench-", a.pairs, a.model)
@@ -65,7 +66,7 @@ def main():
                 "stage_wall_s": time.time() - t1, "dtype": trl_peer.float32_trained(m, root / f"kto{i}")}
 
     def bare(i: int) -> dict:  # the training loop of ours(i) without its engine, on the records the stage builds
-        from rlhf_core import models
+        from rlhf_core.inputs import models
         from rlhf_core.train.methods import kto as kto_method
         from rlhf_core.train.reference import compute
 

@@ -23,11 +23,13 @@ def main(size: str, repeats: int, profile: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_core import demo_task, rl_math, tiny
-    from rlhf_core.jobs import free_port
+    from rlhf_core.demo import demo_task, tiny
+    from rlhf_core.rl import rl_math
+    from rlhf_core.runtime.jobs import free_port
     from rlhf_core.ppo import loop
     from rlhf_core.ppo.engines import HFRollout
-    from rlhf_core.ppo.roles import Learner, policy_logprobs
+    from rlhf_core.ppo.forward import policy_logprobs
+    from rlhf_core.ppo.roles import Learner
     from stages import ppo
 
     d = tempfile.mkdtemp()

@@ -43,7 +43,7 @@ def split_cores() -> None:
 
 
 def main(steps: int, split: bool) -> None:
-    from rlhf_core import demo_task, tiny
+    from rlhf_core.demo import demo_task, tiny
     from stages import ppo
 
     if split:

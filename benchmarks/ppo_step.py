@@ -31,10 +31,11 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_core import demo_task, rl_math
+    from rlhf_core.demo import demo_task
+    from rlhf_core.rl import rl_math
     from rlhf_core.ppo.loop import collate
     from rlhf_core.ppo.engines import HFRollout
-    from rlhf_core.ppo.roles import policy_logprobs
+    from rlhf_core.ppo.forward import policy_logprobs
 
     s = SETTINGS
     tok = AutoTokenizer.from_pretrained(policy_dir)
@@ -75,7 +76,7 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
 def main(steps: int, size: str) -> None:
     from transformers import AutoTokenizer
 
-    from rlhf_core import demo_task, tiny
+    from rlhf_core.demo import demo_task, tiny
     from stages import ppo
 
     with tempfile.TemporaryDirectory() as d:

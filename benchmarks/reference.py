@@ -26,7 +26,8 @@ def main(n: int, batch: int, bf16: bool, repeats: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import demo_task, models, tiny
+    from rlhf_core.demo import demo_task, tiny
+    from rlhf_core.inputs import models
     from rlhf_core.train import batches
     from rlhf_core.train.reference import compute
 

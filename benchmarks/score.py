@@ -1,4 +1,4 @@
-"""Reward-model scoring throughput: rlhf_core.rewards.RMEngine (length-sorted batches, left padding,
+"""Reward-model scoring throughput: rlhf_core.rollout.rewards.RMEngine (length-sorted batches, left padding,
 position ids from the mask, last-token head) vs a bare forward loop (tokenizer padding, the HF
 sequence-classification model's own pooling) over the same texts and batch size, tiny RM, fp32 CPU.
 Tokens/s = real (non-pad) tokens scored / wall seconds. Goal: >= 0.9x the bare loop.
@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def texts(n: int) -> tuple[list[str], list[str]]:
-    from rlhf_core import demo_task
+    from rlhf_core.demo import demo_task
 
     rng = random.Random(0)
     prompts = [demo_task.prompt_for(rng.choice(demo_task.THINGS)) for _ in range(n)]
@@ -29,8 +29,8 @@ def main(n: int = 2048, batch: int = 32, repeats: int = 3) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhf_core import demo_task, tiny
-    from rlhf_core.rewards import RewardSpec, RMEngine
+    from rlhf_core.demo import demo_task, tiny
+    from rlhf_core.rollout.rewards import RewardSpec, RMEngine
 
     with tempfile.TemporaryDirectory() as d:
         _, rm_dir = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)

@@ -40,7 +40,8 @@ def main():
         return
     from transformers import AutoTokenizer
 
-    from rlhf_core import data, models, store
+    from rlhf_core.inputs import data, models
+    from rlhf_core import store
     from rlhf_core.train import batches
     from stages import sft
 

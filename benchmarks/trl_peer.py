@@ -110,7 +110,8 @@ def setup(prefix: str, n_pairs: int, model: str = "tiny") -> tuple[Path, Path, s
     import logging
     import random
 
-    from rlhf_core import demo_task, store, tiny as tiny_mod
+    from rlhf_core.demo import demo_task, tiny as tiny_mod
+    from rlhf_core import store
 
     logging.basicConfig(level=logging.WARNING)
     root = Path(tempfile.mkdtemp(prefix=prefix))

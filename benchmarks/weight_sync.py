@@ -30,7 +30,7 @@ SIZES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings, vocab 151936); parame
 def build(out: Path, size: str) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlhf_core import demo_task, tiny
+    from rlhf_core.demo import demo_task, tiny
 
     tok = tiny.build_tokenizer(out, demo_task.corpus(0))
     cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=512,

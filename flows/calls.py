@@ -14,7 +14,8 @@ import time
 from pydantic import ValidationError
 
 from rlhf_core import store
-from stages.common import ConfigError, call as run_stage
+from flows.tasks import run_stage, task_for
+from stages.common import ConfigError
 
 _progress: dict = {}  # the running flow's Prefect progress artifact: {"id", "done", "total"}
 
@@ -44,21 +45,22 @@ def stage_config(module, base, **fields):
         raise ConfigError(f"invalid flow config for stage {name}:\n" + "\n".join(lines)) from None
 
 
-def call(stage_task_obj, cfg) -> dict:
-    """Run one stage (stages.common.call, or on the work pool the flow's `pools` names for it: flows/pools.py)
+def call(module, cfg) -> dict:
+    """Run one stage, stages/<name>.py given as its module, as a Prefect task (flows.tasks.run_stage, or on the work pool the flow's `pools` names for it: flows/pools.py)
     and advance the flow's progress artifact: per stage, and inside an in-process stage per training step line /
     finished generate or score chunk (at most once a second). A run whose lock was lost stops here, before the
     next stage starts."""
     from flows import pools
-    from rlhf_core import progress
+    from rlhf_core.runtime import progress
 
     store.check_fence()
-    label, tags = task_run_label(stage_task_obj.name, cfg.output_uri)
+    name = module.__name__.rsplit(".", 1)[-1]
+    label, tags = task_run_label(name, cfg.output_uri)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")  # as manifests write times
-    if (pool := pools.pool_of(stage_task_obj.name)):  # a child flow run on its work pool (flows/pools.py)
-        run = functools.partial(pools.run_on_pool, stage_task_obj.name, cfg, label, tags, pool)
+    if (pool := pools.pool_of(name)):  # a child flow run on its work pool (flows/pools.py)
+        run = functools.partial(pools.run_on_pool, name, cfg, label, tags, pool)
     else:
-        run = functools.partial(run_stage, stage_task_obj.with_options(task_run_name=label, tags=tags), cfg)
+        run = functools.partial(run_stage, task_for(name).with_options(task_run_name=label, tags=tags), cfg)
     if not _progress.get("id"):
         return _said(label, run(), started)
     from prefect.artifacts import update_progress_artifact

@@ -26,7 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flows import table
-from rlhf_core import store, versions
+from rlhf_core import store
+from rlhf_core.store import versions
 
 FLOWS = {name: spec.module for name, spec in table.FLOWS.items()}  # flows/table.py
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -201,7 +202,7 @@ def gc(uri: str | None, keep: int | None, cache_max_gb: float | None = None) -> 
     if cache_max_gb is not None:
         from datetime import datetime
 
-        from rlhf_core import model_inputs
+        from rlhf_core.inputs import model_inputs
 
         limit = int(cache_max_gb * 1e9)
         entries, left = model_inputs.prune_cache(limit)
@@ -225,7 +226,7 @@ def show_progress(every_s: float, verbose: bool):
     the job's notable lines. (`run` shows them through Prefect's console log.)"""
     import logging
 
-    from rlhf_core import progress
+    from rlhf_core.runtime import progress
 
     progress.install()
     display = progress.Display(every_s=every_s, verbose=verbose)
@@ -244,14 +245,14 @@ def show_progress(every_s: float, verbose: bool):
 def expected_errors() -> tuple[type[BaseException], ...]:
     """What a user can cause and fix (config, data, artifact, reward, generation, job): one line, exit 2.
     Anything else is a bug and keeps its traceback."""
-    from rlhf_core.generation import GenerationError
-    from rlhf_core.jobs import JobFailed
-    from rlhf_core.rewards import RewardError
+    from rlhf_core.rollout.generation import GenerationError
+    from rlhf_core.runtime.jobs import JobFailed
+    from rlhf_core.rollout.rewards import RewardError
     from rlhf_core.train.checkpoints import CheckpointError
     from rlhf_core.train.launch import TrainingIncomplete
     from flows.pools import RunCancelled
     from flows.watch import EventNotSent
-    from stages.common import StageFailed
+    from flows.tasks import StageFailed
 
     # ValueError covers ConfigError, DataError and FilterError, and the config checks inside run().
     return (ValueError, store.ArtifactError, FileNotFoundError, PermissionError, RewardError, GenerationError,
@@ -332,7 +333,7 @@ def api_server_dies_with_us() -> None:
 
     from prefect.server.api import server
 
-    from rlhf_core.jobs import _die_with_parent
+    from rlhf_core.runtime.jobs import _die_with_parent
 
     if getattr(server.subprocess, "dies_with_parent", False):
         return
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return watch.watch(a.uri, a.once, a.interval, watch.patterns_of(a.pattern), a.kind, a.state)
         if a.cmd == "serve-rm":
-            from rlhf_core.serve_rm import serve
+            from rlhf_core.rollout.serve_rm import serve
 
             return serve(a.model, a.host, a.port, batch_size=a.batch_size, max_len=a.max_len,
                          normalize=a.normalize_reward, value_head_prefix=a.value_head_prefix)

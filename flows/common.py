@@ -5,7 +5,7 @@ the report: flows/report.py.
 
 Resume does not depend on Prefect's database: every stage writes a committed manifest under
 `{root}/{run_name}/...`, and a rerun with the same run_name skips each stage whose manifest matches its
-fingerprint (any machine, fresh Prefect database). Prefect's cache is a second layer (stages.common.call).
+fingerprint (any machine, fresh Prefect database). Prefect's cache is a second layer (flows.tasks.run_stage).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def demo_inputs(root: str, run_name: str, seed: int = 0, storage_options: dict |
     (prompts, SFT warm-up rows, gold-labelled preference pairs, held-out eval prompts)."""
     import tempfile
 
-    from rlhf_core import demo_task, tiny
+    from rlhf_core.demo import demo_task, tiny
 
     base = store.join(root, run_name, "inputs")
     uris = {"policy": store.join(base, "policy"), "reward_base": store.join(base, "reward_base")}
@@ -245,18 +245,18 @@ def prepare_inputs(p: LoopParams, run: dict):
     report.gate = promotion.Gate(p, run["flow"]) if p.promote_min_gain is not None else None
 
     prepare = stage("prepare")
-    prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.train_split}, data=prompt_data,
+    prompts = call(prepare, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.train_split}, data=prompt_data,
                                               tokenizer_uri=_tok(p, policy), output_uri=at("prompts"), storage_options=so))
     if run["flow"] != "ppo":  # ppo passes over all prompts each iteration; the others slice them
         _check_slices(p, prompts["rows"])
     eval_prompts = None
     if eval_data:
-        eval_prompts = call(prepare.task, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.eval_split}, data=eval_data,
+        eval_prompts = call(prepare, stage_config(prepare, {"kind": "prompts", **settings(p.prepare), "split": p.eval_split}, data=eval_data,
                                                        tokenizer_uri=_tok(p, policy), output_uri=at("eval_prompts"),
                                                        storage_options=so))["uri"]
     if sft_data:
         sft = stage("sft")
-        policy = call(sft.task, stage_config(sft, p.sft, policy_uri=policy, dataset_uri=sft_data, output_uri=at("sft"),
+        policy = call(sft, stage_config(sft, p.sft, policy_uri=policy, dataset_uri=sft_data, output_uri=at("sft"),
                                              storage_options=so))["uri"]
         report.links["sft"] = policy
     if p.reward_uri or p.reward_func_file or p.reward_url:
@@ -265,7 +265,7 @@ def prepare_inputs(p: LoopParams, run: dict):
     else:
         rm = stage("train_rm")
         base = p.reward_base_uri or d.get("reward_base") or p.pretrain_uri
-        reward = {"reward_model_uri": call(rm.task, stage_config(rm, p.train_rm, base_uri=base, dataset_uri=pref_data,
+        reward = {"reward_model_uri": call(rm, stage_config(rm, p.train_rm, base_uri=base, dataset_uri=pref_data,
                                                                  output_uri=at("reward_model"), storage_options=so))["uri"]}
     report.links.update({"prompts": prompts["uri"], **({"reward_model": reward.get("reward_model_uri")}
                                                        if reward.get("reward_model_uri") else {})})
@@ -282,7 +282,7 @@ def _tok(p: LoopParams, policy: str) -> str | None:
 
 
 def _demo_gold() -> str:
-    from rlhf_core import demo_task
+    from rlhf_core.demo import demo_task
 
     return demo_task.__file__
 
@@ -331,13 +331,13 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
     ec = report.eval_cfg
     if ec.get("prompts_uri") and (ec.get("reward_model_uri") or ec.get("remote_rm_url") or ec.get("gold_reward_file")):
         ev = stage("eval")
-        em = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),
+        em = call(ev, stage_config(ev, p.eval, policy_uri=policy, output_uri=store.run_prefix(p.root, p.run_name, "eval", k),
                                         storage_options=p.storage_options, **report.eval_cfg))
         row.update({key: em["metrics"].get(key) for key in ("rm_reward", "gold_reward", "kl")})
         row["response_length"] = em["metrics"].get("response_tokens_mean")
         by_stage["eval"] = em
         for name, variant in report.eval_variants.items():  # e.g. conditional SFT under its low condition
-            vm = call(ev.task, stage_config(ev, p.eval, policy_uri=policy, storage_options=p.storage_options,
+            vm = call(ev, stage_config(ev, p.eval, policy_uri=policy, storage_options=p.storage_options,
                                             output_uri=store.run_prefix(p.root, p.run_name, f"eval_{name}", k),
                                             **{**report.eval_cfg, **variant}))
             row.update({f"{key}_{name}": vm["metrics"].get(key) for key in ("rm_reward", "gold_reward")})
@@ -367,9 +367,9 @@ def rollout(p: LoopParams, k: int, policy: str, prompts: str, reward: dict, **ge
     `generate`: settings of this iteration's generate stage over p.generate's."""
     gen, score = stage("generate"), stage("score")
     at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
-    samples = call(gen.task, stage_config(gen, {**settings(p.generate), **generate}, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
+    samples = call(gen, stage_config(gen, {**settings(p.generate), **generate}, policy_uri=policy, prompts_uri=prompts, iter=k - 1,
                                                output_uri=at("generate"), storage_options=p.storage_options))
-    scored = call(score.task, stage_config(score, p.score, samples_uri=samples["uri"], **reward, output_uri=at("score"),
+    scored = call(score, stage_config(score, p.score, samples_uri=samples["uri"], **reward, output_uri=at("score"),
                                            storage_options=p.storage_options))
     return samples, scored
 

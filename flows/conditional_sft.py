@@ -19,7 +19,8 @@ from pydantic import Field, model_validator
 from flows import calls, common
 from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
-from rlhf_core import postprocess, store
+from rlhf_core.rollout import postprocess
+from rlhf_core import store
 from stages import filter as filter_stage, sft
 
 
@@ -66,9 +67,9 @@ def conditional_sft(params: Params) -> dict:
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             ask_best = {"condition_template": condition(p.target_reward)} if p.bootstrap and k > 1 else {}
             samples, scored = common.rollout(p, k, policy, prompts, reward, **ask_best)
-            rows = call(filter_stage.task, stage_config(filter_stage, {**settings(p.filter), "method": "csft"}, scored_uri=scored["uri"],
+            rows = call(filter_stage, stage_config(filter_stage, {**settings(p.filter), "method": "csft"}, scored_uri=scored["uri"],
                                                         output_uri=at("csft"), storage_options=so))
-            trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=rows["uri"],
+            trained = call(sft, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=rows["uri"],
                                                   output_uri=at("sft"), storage_options=so))
             policy = trained["uri"]
             common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, rows, trained])

@@ -73,16 +73,16 @@ def iterative_dpo(params: Params) -> dict:
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             samples, scored = common.rollout(p, k, policy, prompts, reward)
-            pairs = call(filter_stage.task, stage_config(filter_stage, {**settings(p.filter), "method": "iter_dpo"},
+            pairs = call(filter_stage, stage_config(filter_stage, {**settings(p.filter), "method": "iter_dpo"},
                                                          scored_uri=scored["uri"], output_uri=at("pairs"), storage_options=so))
             if p.trainer == "kto":
-                trained = call(kto.task, stage_config(kto, p.kto, dataset_uri=pairs["uri"], policy_uri=policy, ref_uri=ref,
+                trained = call(kto, stage_config(kto, p.kto, dataset_uri=pairs["uri"], policy_uri=policy, ref_uri=ref,
                                                       output_uri=at("kto"), storage_options=so))
                 made = [samples, scored, pairs, trained]
             else:
-                with_ref = call(reference.task, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"],
+                with_ref = call(reference, stage_config(reference, reference_settings(p), pairs_uri=pairs["uri"],
                                                              ref_uri=ref, output_uri=at("reference"), storage_options=so))
-                trained = call(dpo.task, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
+                trained = call(dpo, stage_config(dpo, p.dpo, dataset_uri=with_ref["uri"], policy_uri=policy,
                                                       output_uri=at("dpo"), storage_options=so))
                 made = [samples, scored, pairs, with_ref, trained]
             policy = trained["uri"]

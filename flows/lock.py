@@ -1,6 +1,6 @@
 """The run lock: one writer per run folder, held in `{root}/{run_name}/_LOCK.json` for the whole flow run.
 
-A lease (rlhf_core/locks.py): a second live starter gets LockHeld naming the holder; a stale lock (its lease
+A lease (rlhf_core/store/locks.py): a second live starter gets LockHeld naming the holder; a stale lock (its lease
 expired, or its process dead in this pid namespace) is taken over. While held, it is the store's fence: every
 write of this process, and of the training jobs and local Ray workers it starts (RLHF_FLOWS_FENCE), first
 checks that the lock still holds this run's token, so a run that lost its lock (paused past its lease, cut off
@@ -15,8 +15,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from flows.calls import run_logger
-from rlhf_core import locks, store
-from rlhf_core.locks import LockHeld, LockLost  # noqa: F401  (what a flow run may raise)
+from rlhf_core.store import locks
+from rlhf_core import store
+from rlhf_core.store.locks import LockHeld, LockLost  # noqa: F401  (what a flow run may raise)
 
 LOCK = "_LOCK.json"
 held: dict[str, locks.Lease] = {}  # run URI -> this process's lease on it (its start, and the stale one it replaced)

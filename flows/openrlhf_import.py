@@ -242,7 +242,7 @@ FLAGS: dict[str, dict[str, Any]] = {
 LAUNCHER = {"num_gpus": "num_gpus", "num_nodes": "num_nodes", "hostfile": "hostfile", "master_port": "master_port",
             "master_addr": "master_addr", "include": No("num_gpus / hostfile place the ranks"),
             "exclude": No("num_gpus / hostfile place the ranks"),
-            "address": "ray_address",  # http://HEAD:8265: the stage is submitted there as a Ray Job (rlhf_core/ray_jobs.py)
+            "address": "ray_address",  # http://HEAD:8265: the stage is submitted there as a Ray Job (rlhf_core/runtime/ray_jobs.py)
             "runtime-env-json": No("the stage runs in this environment"), "working-dir": No("the stage runs in this environment"),
             "no-wait": No("the stage runs in the foreground")}
 # Which stage runs each module, and the sections its YAML holds (the main one first: unprefixed keys go there).

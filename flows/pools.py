@@ -12,7 +12,7 @@ deployment `rlhf-stage/<pool>` on their pools; every other stage runs in the flo
   server does not have (naming the ones it has) and a run with no API server. For a process pool it (re)creates
   the deployment pointing at this project folder (the pull step of deployments/prefect.yaml); a docker or
   kubernetes pool's deployment must exist already, built on an image holding this project (docs/how-to/pools.md).
-- The child runs the stage as the flow process would (stages.common.call) and commits to the store; the parent
+- The child runs the stage as the flow process would (flows.tasks.run_stage) and commits to the store; the parent
   then reads the committed manifest from the store, never a Prefect result: any worker that reaches the store
   will do, and resume stays the manifests' job. The child's writes are fenced by the parent's run lock
   (RLHF_FLOWS_FENCE: the lock's URI and token), so a run that lost its lock stops its remote stages too.
@@ -54,7 +54,8 @@ from prefect.exceptions import Abort
 
 from flows import table
 from rlhf_core import store
-from stages.common import ConfigError, StageFailed
+from flows.tasks import StageFailed
+from stages.common import ConfigError
 
 FLOW = "rlhf-stage"
 PROJECT = Path(__file__).resolve().parents[1]
@@ -349,18 +350,18 @@ def heartbeat(uri: str, so: dict, every_s: float):
 @flow(name=FLOW, log_prints=True)
 def stage_flow(stage: str, config: dict, beat_uri: str, label: str, tags: list[str], beat_s: float = 30.0,
                fence: dict | None = None, credentials_block: str | None = None) -> dict:
-    """One stage of a loop run, on the pool its deployment belongs to: stages.common.call as the loop's own
+    """One stage of a loop run, on the pool its deployment belongs to: flows.tasks.run_stage as the loop's own
     process would run it (its task run named and tagged as there, the loop's credentials block loaded), fenced by
     the loop's run lock; returns (and commits) the manifest."""
     import importlib
 
     from flows.credentials import use_credentials
-    from stages.common import call as run_stage
+    from flows.tasks import run_stage, task_for
 
     if credentials_block:
         use_credentials(credentials_block)
     so = config.get("storage_options") or {}
     with fenced(fence), heartbeat(beat_uri, so, beat_s):  # beating from here: the stage's imports count as its time
         module = importlib.import_module(f"stages.{stage}")
-        out = run_stage(module.task.with_options(task_run_name=label, tags=tags), module.Config(**config))
+        out = run_stage(task_for(stage).with_options(task_run_name=label, tags=tags), module.Config(**config))
     return {k: out[k] for k in ("uri", "stage", "fingerprint", "created_at")}

@@ -56,7 +56,7 @@ def ppo(params: Params) -> dict:
     with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)
         for k in common.iterations(p, report):
-            trained = call(ppo_stage.task, stage_config(ppo_stage, iteration_settings(p, k), policy_uri=policy,
+            trained = call(ppo_stage, stage_config(ppo_stage, iteration_settings(p, k), policy_uri=policy,
                                                         prompts_uri=prompts, **reward, storage_options=so,
                                                         output_uri=store.run_prefix(p.root, p.run_name, "ppo", k)))
             policy = trained["uri"]

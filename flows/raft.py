@@ -56,13 +56,13 @@ def raft(params: Params) -> dict:
         for k in common.iterations(p, report):
             at = lambda stage: store.run_prefix(p.root, p.run_name, stage, k)  # noqa: E731
             samples, scored = common.rollout(p, k, policy, prompts, reward)
-            best = call(filter_stage.task, stage_config(filter_stage, {**settings(p.filter), "method": "rs"}, scored_uri=scored["uri"],
+            best = call(filter_stage, stage_config(filter_stage, {**settings(p.filter), "method": "rs"}, scored_uri=scored["uri"],
                                                         output_uri=at("best_of_n"), storage_options=so))
             if p.trainer == "kd":
-                trained = call(kd.task, stage_config(kd, p.kd, policy_uri=policy, dataset_uri=best["uri"],
+                trained = call(kd, stage_config(kd, p.kd, policy_uri=policy, dataset_uri=best["uri"],
                                                      output_uri=at("kd"), storage_options=so))
             else:
-                trained = call(sft.task, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=best["uri"],
+                trained = call(sft, stage_config(sft, p.sft_loop, policy_uri=policy, dataset_uri=best["uri"],
                                                       output_uri=at("sft"), storage_options=so))
             policy = trained["uri"]
             common.evaluate_and_report(p, report, k, policy, reward, [samples, scored, best, trained])

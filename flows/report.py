@@ -84,7 +84,7 @@ class Report:
         import shutil
         import tempfile
 
-        from rlhf_core import tracking
+        from rlhf_core.runtime import tracking
 
         fs, path = store.filesystem(self.run_uri, self.storage_options)
         with tempfile.TemporaryDirectory() as tmp:

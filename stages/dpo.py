@@ -12,11 +12,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import (TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, split_eval, tokenizer_id,
                                     train_and_commit)
-from stages.common import ConfigError, StageConfig, stage_task
+from stages.common import ConfigError, StageConfig
 
 REF_COLUMNS = ("ref_chosen_logp", "ref_rejected_logp")
 
@@ -85,6 +86,3 @@ def reference_rows(cfg: Config, tok, eval: bool) -> list[dict]:
                           f"({ref_attn}): rerun the reference stage with attn_implementation={cfg.attn_implementation}")
     rows = table.to_pylist()
     return rows[:limit] if limit else rows
-
-
-task = stage_task("dpo", run)

@@ -6,7 +6,7 @@ per-iteration table, the plot and the `stop_when_gain_below` condition. With `re
 reports KL(policy || reference) per response token, the number to watch beside reward: a k1 estimate,
 log pi(y|x) - log ref(y|x) summed over the sampled responses' tokens and divided by their count (unbiased
 when sampling at temperature 1, top_p 1; http://joschu.net/blog/kl-approx.html), and the mean response length. It reuses the generate and score
-machinery (rlhf_core.generation / rlhf_core.rewards) in-process by default: eval sets are small.
+machinery (rlhf_core.rollout.generation / rlhf_core.rollout.rewards) in-process by default: eval sets are small.
 
 A process reward model as reward_model_uri scores as in the score stage (`prm_aggregate`, `prm_tokens`;
 the loops pass score's settings), so eval's rm_reward is the loop's reward.
@@ -21,10 +21,11 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import Field
 
-from rlhf_core import models, store
-from rlhf_core.generation import EngineSpec, SamplingSpec, generate, model_input
-from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards
-from stages.common import ConfigError, StageConfig, stage_task
+from rlhf_core.inputs import models
+from rlhf_core import store
+from rlhf_core.rollout.generation import EngineSpec, SamplingSpec, generate, model_input
+from rlhf_core.rollout.rewards import RewardSpec, check_reward_model, compute_rewards
+from stages.common import ConfigError, StageConfig
 
 
 class Config(StageConfig):
@@ -133,7 +134,7 @@ def _kl_per_token(policy_dir, ref_dir, tok, prompt_ids: list[list[int]], samples
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import losses
+    from rlhf_core.rl import losses
     from rlhf_core.train.batches import collate, per_sample_sum
 
     seqs, starts = [], []
@@ -155,6 +156,3 @@ def _kl_per_token(policy_dir, ref_dir, tok, prompt_ids: list[list[int]], samples
     per_sample = [a - b for a, b in zip(*sums)]
     tokens = sum(len(q) - max(st, 1) for q, st in zip(seqs, starts))
     return per_sample, sum(per_sample) / max(1, tokens)
-
-
-task = stage_task("eval", run)

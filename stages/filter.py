@@ -1,4 +1,4 @@
-"""filter: scored samples -> training data, by one of OpenRLHF's post-processors (rlhf_core.postprocess).
+"""filter: scored samples -> training data, by one of OpenRLHF's post-processors (rlhf_core.rollout.postprocess).
 
   rs        best-of-n rejection sampling (RAFT): top_k highest-reward responses per prompt -> `sft` rows
   iter_dpo  per prompt max vs min reward -> `pairs` rows; ties and single-sample prompts dropped, counted
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core import data, store
-from rlhf_core import postprocess as pp
-from stages.common import StageConfig, stage_task
+from rlhf_core.inputs import data
+from rlhf_core import store
+from rlhf_core.rollout import postprocess as pp
+from stages.common import StageConfig
 
 METHODS = ("rs", "iter_dpo", "csft")
 
@@ -104,6 +105,3 @@ def run(cfg: Config) -> store.Manifest:
     else:
         metrics["reward_mean_kept"] = pp.mean([r["reward"] for r in out])
     return w.commit(metrics=metrics)
-
-
-task = stage_task("filter", run)

@@ -4,7 +4,7 @@ OpenRLHF's batch_inference `--eval_task generate_vllm|generate` as a stage: prom
 `prompts` artifact or raw OpenRLHF-format sources (comma-separated with `prompt_data_probs`, formatted by
 chat template or input_template), are sliced by `iter` * `rollout_batch_size` and `max_samples`, checked
 against `prompt_max_len` (keep the last tokens and count, or reject), and sampled by the hf or vllm backend
-on `num_engines` Ray actors (rlhf_core.generation). `condition_template` samples a reward-conditioned policy
+on `num_engines` Ray actors (rlhf_core.rollout.generation). `condition_template` samples a reward-conditioned policy
 under a condition (SteerLM's bootstrapping, OpenRLHF's csft prompt at generation time) while the samples keep
 the plain prompt, so they are scored and re-labelled as plain prompts.
 
@@ -16,9 +16,11 @@ import time
 
 from pydantic import Field, field_validator
 
-from rlhf_core import data, model_inputs, models, ray_jobs, store
-from rlhf_core.generation import BACKENDS, EngineSpec, SamplingSpec, generate
-from stages.common import StageConfig, stage_task
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core.runtime import ray_jobs
+from rlhf_core import store
+from rlhf_core.rollout.generation import BACKENDS, EngineSpec, SamplingSpec, generate
+from stages.common import StageConfig
 
 
 class Config(StageConfig):
@@ -173,6 +175,3 @@ def run(cfg: Config) -> store.Manifest:
         "tokens_per_s": resp_tokens / seconds if seconds > 0 else None, "generate_seconds": seconds,
         "finished_stop": sum(s["finish_reason"] == "stop" for s in samples) / len(samples),
         "backend": cfg.backend, "num_engines": cfg.num_engines})
-
-
-task = stage_task("generate", run)

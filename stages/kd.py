@@ -13,10 +13,11 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train import batches, launch
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, split_eval, train_and_commit
-from stages.common import ConfigError, StageConfig, stage_task
+from stages.common import ConfigError, StageConfig
 
 
 class Config(StageConfig, TrainFields, SourceFields):
@@ -71,6 +72,3 @@ def run(cfg: Config) -> store.Manifest:
             "teacher_uri": cfg.teacher_uri}
     return train_and_commit(cfg, w, "kd", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut},
                             model_uri=cfg.policy_uri, eval_records=eval_records)
-
-
-task = stage_task("kd", run)

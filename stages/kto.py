@@ -1,5 +1,5 @@
 """KTO as a DeepSpeed job (arXiv:2402.01306; OpenRLHF train_kto, TRL KTOTrainer): unpaired completions
-labelled desirable / undesirable, the loss rlhf_core.losses.kto_loss with the KL reference point estimated
+labelled desirable / undesirable, the loss rlhf_core.rl.losses.kto_loss with the KL reference point estimated
 from mismatched (prompt, completion) pairs. The reference model's log-probs of every example and of its
 mismatched pair are computed first, once, by the reference pass the dpo pipeline uses
 (rlhf_core.train.reference: inline on one device, else a DeepSpeed job, ZeRO-3-sharded with zero_stage 3),
@@ -19,12 +19,13 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train import launch
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, train_and_commit
 from rlhf_core.train.methods import kto
 from rlhf_core.train.reference import compute
-from stages.common import ConfigError, StageConfig, stage_task
+from stages.common import ConfigError, StageConfig
 
 log = logging.getLogger("rlhf_flows")
 
@@ -104,6 +105,3 @@ def run(cfg: Config) -> store.Manifest:
     return train_and_commit(cfg, w, "kto", records, model_dir, tok, spec,
                             {"rows": len(records), "desirable": n_d, "undesirable": n_u, "truncated": cut,
                              "reference_seconds": ref_s}, model_uri=cfg.policy_uri, eval_records=eval_records)
-
-
-task = stage_task("kto", run)

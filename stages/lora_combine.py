@@ -8,7 +8,7 @@ model's adapter (peft task SEQ_CLS) merges into a one-label sequence-classificat
 reward_mean / reward_std in its config; `is_rm` states which one you expect and is checked. Output: an HF
 folder (safetensors + tokenizer) that every stage loads like any other model.
 
-Stages load adapter-only artifacts on their own (rlhf_core.model_inputs.fetch_model merges them into a cache once
+Stages load adapter-only artifacts on their own (rlhf_core.inputs.model_inputs.fetch_model merges them into a cache once
 per machine); this stage is for handing the merged model on (serving, export, another tool).
 
     rlhf-flows stage lora_combine model_uri=runs/x/sft output_uri=runs/x/sft-merged
@@ -21,8 +21,9 @@ import tempfile
 
 from pydantic import Field
 
-from rlhf_core import model_inputs, models, store
-from stages.common import StageConfig, stage_task
+from rlhf_core.inputs import model_inputs, models
+from rlhf_core import store
+from stages.common import StageConfig
 
 
 class Config(StageConfig):
@@ -57,6 +58,3 @@ def run(cfg: Config) -> store.Manifest:
         w.upload_dir(tmp)
     return w.commit(metrics={"is_rm": is_rm, "adapter_task": task, "base": base.uri, "bf16": cfg.bf16,
                              **{k: m.metrics[k] for k in ("reward_mean", "reward_std") if is_rm and k in m.metrics}})
-
-
-task = stage_task("lora_combine", run)

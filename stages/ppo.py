@@ -5,19 +5,19 @@ nccl on GPU), a critic for `gae` (from critic_uri, default the reward model, as 
 reference when a KL term is used (init_kl_coef > 0), the reward (a reward-model actor, a reward_func file
 or a remote server: the score stage's sources) and long-lived rollout engines that receive the new weights
 in place after every update (rlhf_core.ppo.weight_sync). Experience is token in, token out. The math is
-rlhf_core.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce_baseline | rloo |
+rlhf_core.rl.rl_math: advantage_estimator gae | reinforce (REINFORCE++) | reinforce_baseline | rloo |
 group_norm (GRPO) | dr_grpo. Keys are OpenRLHF's flags (--pretrain -> policy_uri, --prompt_data ->
 prompts_uri, --critic_pretrain -> critic_uri, --remote_rm_url -> reward_func_path / remote_rm_url).
 Rollout engines: rollout_backend hf (transformers generate) or vllm (vllm.LLM in the
 actor's process, weights reloaded in place). Every rollout runs through the agent executor
-(rlhf_core.agent): single turn with the reward source, or multi-turn episodes of an OpenRLHF `AgentInstance`
+(rlhf_core.rollout.agent): single turn with the reward source, or multi-turn episodes of an OpenRLHF `AgentInstance`
 file (agent_func_path, max_turns) whose rewards replace it; dynamic_filtering drops prompt groups whose mean
 score is outside dynamic_filtering_reward_range and samples more; enable_vllm_is_correction (TIS) / use_icepop
 weight the policy loss by the trainer/rollout probability ratio. async_train overlaps the rollout of step k+1
 with training on step k (weights exactly async_queue_size updates old; a resume loses no rollout); colocate_all_models /
 colocate_actor_ref / colocate_critic_reward share Ray placement-group bundles between roles. Every role runs
 on its own device (the GPU Ray reserved for it, else the CPU) in bf16 with `bf16`; every log-prob is of the
-tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.logprobs). OpenRLHF's
+tempered policy softmax(logits / temperature), computed in chunks (rlhf_core.rl.logprobs). OpenRLHF's
 --pretrain_data / --ptx_coef add the NLL of SFT rows to the actor loss (PTX); reward_model_uri "a,b" scores with
 each reward model and sums (reward_models_agg); the critic may be an OpenRLHF value_head-format RM
 (value_head_prefix); save_hf_ckpt puts the policy as an HF folder beside each checkpoint; vllm_num_engines 0
@@ -25,7 +25,7 @@ generates on policy rank 0; agent_executor_path runs a file's AgentExecutor (Ope
 
     rlhf-flows stage ppo --config configs/ppo_demo.yaml policy_uri=... prompts_uri=... output_uri=... n_samples_per_prompt=8
     on a cluster: ray start --head; ray start --address HEAD:6379 (each node); then ray_address=HEAD:6379
-    or as a Ray Job through the head's job API: ray_address=http://HEAD:8265 (rlhf_core.ray_jobs)
+    or as a Ray Job through the head's job API: ray_address=http://HEAD:8265 (rlhf_core.runtime.ray_jobs)
 """
 from __future__ import annotations
 
@@ -36,12 +36,16 @@ from pydantic import Field, model_validator
 
 import torch
 
-from rlhf_core import agent, data, model_inputs, models, ray_jobs, rl_math, store
-from rlhf_core.generation import model_input
-from rlhf_core.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
+from rlhf_core.rollout import agent
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core.runtime import ray_jobs
+from rlhf_core.rl import rl_math
+from rlhf_core import store
+from rlhf_core.rollout.generation import model_input
+from rlhf_core.rollout.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
 from rlhf_core.train import checkpoints
 from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
-from stages.common import ConfigError, StageConfig, stage_task
+from stages.common import ConfigError, StageConfig
 
 
 # Settings only a CUDA host runs, with their off values: elsewhere each is refused, naming the flag and the device.
@@ -479,7 +483,7 @@ def run(cfg: Config) -> store.Manifest:
                       dtype="bfloat16" if cfg.bf16 else "float32",
                       batch_size=cfg.micro_rollout_batch_size or cfg.micro_train_batch_size)
     agent_cls = None
-    if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.agent.CustomExecutor)
+    if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.rollout.agent.CustomExecutor)
         agent_cls = agent.load_executor(cfg.agent_executor_path)
     elif cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
         agent_cls = agent.load_agent(cfg.agent_func_path)
@@ -516,6 +520,3 @@ def run(cfg: Config) -> store.Manifest:
     checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     shutil.rmtree(work, ignore_errors=True)
     return m
-
-
-task = stage_task("ppo", run)

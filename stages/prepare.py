@@ -22,8 +22,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core import data, model_inputs, store
-from stages.common import StageConfig, stage_task
+from rlhf_core.inputs import data, model_inputs
+from rlhf_core import store
+from stages.common import StageConfig
 
 
 class Config(StageConfig):
@@ -64,7 +65,7 @@ def run(cfg: Config) -> store.Manifest:
 
     tokenizer = None
     if cfg.tokenizer_uri:
-        from rlhf_core import models
+        from rlhf_core.inputs import models
 
         tok_dir = model_inputs.fetch_model(cfg.tokenizer_uri, cfg.storage_options, manifest=inputs["tokenizer"])
         tokenizer = models.load_tokenizer(tok_dir, cfg.tokenizer_chat_template, cfg.tokenizer_uri)
@@ -78,6 +79,3 @@ def run(cfg: Config) -> store.Manifest:
     w.begin()
     w.write_table(f"{cfg.kind}.parquet", table)
     return w.commit(metrics={"rows": table.num_rows, "sources": len(sources)})
-
-
-task = stage_task("prepare", run)

@@ -14,11 +14,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train import attention, batches
 from rlhf_core.train.launch import tokenizer_id
 from rlhf_core.train.reference import compute
-from stages.common import StageConfig, stage_task
+from stages.common import StageConfig
 
 
 class Config(StageConfig):
@@ -77,6 +78,3 @@ def run(cfg: Config) -> store.Manifest:
                              "tokens_per_s": tokens / seconds if seconds > 0 else None,
                              "ref_chosen_logp_mean": sum(chosen) / len(chosen),
                              "ref_rejected_logp_mean": sum(rejected) / len(rejected)})
-
-
-task = stage_task("reference", run)

@@ -1,7 +1,7 @@
 """score: add a reward to every sample -> a `scored` artifact.
 
 OpenRLHF's batch_inference `--eval_task rm` (and `--remote_rm_url`) as a stage. The reward comes from one
-source (rlhf_core.rewards): a reward model (sequence classifier or OpenRLHF value head, batched by length on
+source (rlhf_core.rollout.rewards): a reward model (sequence classifier or OpenRLHF value head, batched by length on
 `num_engines` Ray actors, normalised by the mean/std in its config), a Python file with OpenRLHF's
 `reward_func(queries, prompts, labels)`, or a remote reward server (OpenRLHF serve_rm shape). Rewards must
 be finite. Note: a remote server's model is outside the fingerprint; only its URL enters it.
@@ -11,7 +11,7 @@ with its placeholder token: `step_rewards` (a list column) holds the steps' rewa
 A causal-LM PRM trained elsewhere is named by `prm_tokens` (placeholder, then reward tokens, positive first).
 Samples whose response has no placeholder are refused by row before any scoring, unless
 `prm_step_separator` (e.g. "\n") names where a step ends: then the placeholders are put there for scoring
-(rlhf_core.rewards.mark_steps), the samples keep their text, and a response already holding one is refused.
+(rlhf_core.rollout.rewards.mark_steps), the samples keep their text, and a response already holding one is refused.
 
     rlhf-flows stage score samples_uri=... reward_model_uri=... output_uri=...
     rlhf-flows serve-rm s3://b/rm --port 5000     # then, elsewhere:
@@ -26,9 +26,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, model_inputs, ray_jobs, store
-from rlhf_core.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
-from stages.common import ConfigError, StageConfig, stage_task
+from rlhf_core.inputs import data, model_inputs
+from rlhf_core.runtime import ray_jobs
+from rlhf_core import store
+from rlhf_core.rollout.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
+from stages.common import ConfigError, StageConfig
 
 
 class Config(StageConfig):
@@ -145,6 +147,3 @@ def run(cfg: Config) -> store.Manifest:
            if out.step_rewards is not None else {}),
         "source": "reward_model" if cfg.reward_model_uri else "reward_func" if cfg.reward_func_path else "remote",
         **{f"extra/{k}": v for k, v in out.extra_logs.items()}})
-
-
-task = stage_task("score", run)

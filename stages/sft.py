@@ -16,10 +16,11 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, split_eval, train_and_commit
-from stages.common import ConfigError, StageConfig, stage_task
+from stages.common import ConfigError, StageConfig
 
 
 class Config(StageConfig, TrainFields, SourceFields):
@@ -79,6 +80,3 @@ def run(cfg: Config) -> store.Manifest:
     eval_records = tokenize(eval_rows, where=cfg.eval_dataset or cfg.dataset_uri)[0] if eval_rows else []
     return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut},
                             model_uri=cfg.policy_uri, eval_records=eval_records)
-
-
-task = stage_task("sft", run)

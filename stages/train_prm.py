@@ -18,10 +18,11 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train.launch import TRAIN_RUNTIME, TrainFields, check_hardware, input_manifests, split_eval, train_and_commit
 from rlhf_core.train.methods import prm
-from stages.common import ConfigError, StageConfig, stage_task
+from stages.common import ConfigError, StageConfig
 
 
 class Config(StageConfig, TrainFields):
@@ -82,6 +83,3 @@ def run(cfg: Config) -> store.Manifest:
     return train_and_commit(cfg, w, "prm", records, model_dir, tok, spec,
                             {"rows": len(records), "truncated": cut, "steps": steps, "positive_fraction": positive / steps},
                             model_uri=cfg.base_uri, eval_records=eval_records)
-
-
-task = stage_task("train_prm", run)

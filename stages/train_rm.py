@@ -11,10 +11,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core import data, model_inputs, models, store
+from rlhf_core.inputs import data, model_inputs, models
+from rlhf_core import store
 from rlhf_core.train import batches
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, load_rows, split_eval, train_and_commit
-from stages.common import StageConfig, stage_task
+from stages.common import StageConfig
 
 
 class Config(StageConfig, TrainFields, SourceFields):
@@ -55,6 +56,3 @@ def run(cfg: Config) -> store.Manifest:
     eval_records = tokenize(eval_rows, cfg.eval_dataset or cfg.dataset_uri)[0] if eval_rows else []
     return train_and_commit(cfg, w, "rm", records, model_dir, tok, {"loss": cfg.loss, "use_margin": cfg.use_margin},
                             {"rows": len(records), "truncated": cut}, model_uri=cfg.base_uri, eval_records=eval_records)
-
-
-task = stage_task("train_rm", run)

@@ -100,7 +100,8 @@ def s3_root(moto_s3) -> str:
 def tiny(tmp_path_factory):
     """Tiny tokenizer, policy and reward model (local folders) built offline from seed 0, plus the same
     committed as artifacts under a local store root (`policy_uri`, `reward_uri`)."""
-    from rlhf_core import demo_task, store, tiny as tiny_mod
+    from rlhf_core.demo import demo_task, tiny as tiny_mod
+    from rlhf_core import store
 
     root = tmp_path_factory.mktemp("tiny")
     policy, reward = tiny_mod.build_tiny_pair(root / "local", demo_task.corpus(0), seed=0)
@@ -183,10 +184,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory):
-    """Tiny random models of every architecture in rlhf_core.tiny.ZOO (Llama-3, Qwen2, Mistral, Phi-3), with
+    """Tiny random models of every architecture in rlhf_core.demo.tiny.ZOO (Llama-3, Qwen2, Mistral, Phi-3), with
     tokenizers shaped like the real ones: {arch: SimpleNamespace(policy=dir, reward=dir)} as local plain
     folders (no manifest)."""
-    from rlhf_core import demo_task, tiny as tiny_mod
+    from rlhf_core.demo import demo_task, tiny as tiny_mod
 
     root = tmp_path_factory.mktemp("zoo")
     lines = demo_task.corpus(0)

@@ -7,7 +7,7 @@ bf16 sft and dpo through DeepSpeed, the reference pass as a bf16 job on the GPU 
 vLLM's CUDA engine generating from a plain folder and stopping on an EOS list, QLoRA (NF4 base + LoRA), and
 the whole ppo stage on one GPU (issue 22's layer b: Ray, DeepSpeed learner, reference, reward model and a vLLM
 CUDA engine colocated, bf16, tempered log-probs). The ppo roles without Ray or vLLM (layer a):
-tests/rlhf_core/test_gpu_roles.py.
+tests/rlhf_core/ppo/test_gpu_roles.py.
 Models are the zoo's tiny Llama-3 / Qwen2 folders, so each test takes seconds on one GPU.
 """
 from __future__ import annotations
@@ -18,7 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages import dpo, generate, ppo, reference, sft
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages import generate
 from tests.conftest import die_with_parent, free_port, upload_folder
 from tests.stages.test_ray_jobs import VENV_BIN, fixed_ports, session_pids, stop_session

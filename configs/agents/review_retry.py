@@ -11,8 +11,8 @@ Written for OpenRLHF: only the import line differs (`from openrlhf.utils.agent i
 """
 import re
 
-from rlhf_core.agent import AgentInstanceBase
-from rlhf_core.demo_task import gold_reward
+from rlhf_core.rollout.agent import AgentInstanceBase
+from rlhf_core.demo.demo_task import gold_reward
 
 ACCEPT = 0.5
 MAX_TRIES = 3

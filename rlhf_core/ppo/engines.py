@@ -14,7 +14,7 @@ import os
 import torch
 
 from rlhf_core.ppo import node_store, weight_sync
-from rlhf_core.ppo.devices import device, peak_memory_gb, to_host
+from rlhf_core.runtime.devices import device, peak_memory_gb, to_host
 from rlhf_core.ppo.weight_sync import received_weights
 
 
@@ -49,7 +49,7 @@ class HFRollout:
     def __init__(self, model_dir: str, bf16: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from rlhf_core import models
+        from rlhf_core.inputs import models
 
         model_dir = node_store.local_model(model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)

@@ -1,5 +1,5 @@
 """The online-RL driver: place the roles on Ray, then per step
-    rollout (`rollout`: n episodes per prompt through the agent executor, rlhf_core.agent, token ids + per-token
+    rollout (`rollout`: n episodes per prompt through the agent executor, rlhf_core.rollout.agent, token ids + per-token
     log-probs + action mask; the reward source or the agent's rewards; dynamic sampling) -> reference log-probs (when a
     KL term is used) -> critic values (gae) -> old log-probs -> advantages (rl_math) -> critic and policy
     updates (max_epochs passes, DeepSpeed) -> weight sync into the rollout engines (rlhf_core.ppo.weight_sync)
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import rl_math
-from rlhf_core import model_inputs
+from rlhf_core.rl import rl_math
+from rlhf_core.inputs import model_inputs
 from rlhf_core.ppo import node_store
 from rlhf_core.ppo.feed import RolloutFeed
 from rlhf_core.ppo.placement import Roles
 from rlhf_core.ppo.batches import collate
-from rlhf_core.ppo.devices import peak_memory_gb
+from rlhf_core.runtime.devices import peak_memory_gb
 from rlhf_core.train import checkpoints
 
 log = logging.getLogger("rlhf_flows")
@@ -82,7 +82,7 @@ def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: l
     `finished` False: the response was cut by generate_max_len (the reward model then scores it without EOS)."""
     import ray
 
-    from rlhf_core.rewards import RewardError, check_finite, combine_rewards, compute_rewards
+    from rlhf_core.rollout.rewards import RewardError, check_finite, combine_rewards, compute_rewards
 
     try:
         if roles.reward is not None:  # every reward model scores; several combine as reward_models_agg says
@@ -114,9 +114,9 @@ def learner_settings(cfg) -> dict:
 
 
 def executor(cfg, roles: Roles, tok, agent_cls, step: int):
-    """The agent executor of one step over the run's rollout engines (rlhf_core.agent)."""
-    from rlhf_core import models
-    from rlhf_core.agent import CustomExecutor, EngineClient, Executor, SamplingParams
+    """The agent executor of one step over the run's rollout engines (rlhf_core.rollout.agent)."""
+    from rlhf_core.inputs import models
+    from rlhf_core.rollout.agent import CustomExecutor, EngineClient, Executor, SamplingParams
 
     bos = models.adds_bos(tok)
     if getattr(agent_cls, "__is_executor__", False):  # agent_executor_path: the file's executor runs each episode
@@ -134,7 +134,7 @@ def executor(cfg, roles: Roles, tok, agent_cls, step: int):
 
 def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spec, agent_cls, where, rnd: int):
     """n episodes per prompt of `idx` -> (episodes, rewards, scores, extra metrics)."""
-    from rlhf_core.agent import AgentError, run_episodes
+    from rlhf_core.rollout.agent import AgentError, run_episodes
 
     n = cfg.n_samples_per_prompt
     items = [(k, prompts[i]["prompt"], prompt_ids[i], prompts[i].get("label")) for k, i in
@@ -225,7 +225,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     scratch folder. The trained model goes to `writer` (the stage's store.ArtifactWriter): uploaded by policy
     rank 0, its files recorded in the writer; the caller commits. `pretrain`: the PTX rows' token ids (every
     policy rank draws its own micro-batches from them)."""
-    from rlhf_core.generation import _ray_up
+    from rlhf_core.rollout.generation import _ray_up
 
     R, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
     per_episode = len(prompts) // R

@@ -2,7 +2,7 @@
 shared disk, as the training jobs of rlhf_core.train.entry):
 
   models       every role fetches its model from the store (a committed artifact or a plain HF folder on any URI)
-               into its own node's cache (RLHF_FLOWS_CACHE), once per node (rlhf_core.model_inputs, keyed by
+               into its own node's cache (RLHF_FLOWS_CACHE), once per node (rlhf_core.inputs.model_inputs, keyed by
                content), its files checked against the model's manifest; a local folder is used in place.
   checkpoints  every learner rank saves its own DeepSpeed files (rank 0 the module states, every rank its ZeRO
                shard) into its node's cache and uploads them itself to `{ckpt_uri}/{tag}/{actor|critic}/`; the
@@ -66,7 +66,8 @@ def _where() -> str:
 def local_model(src: str) -> str:
     """A local folder holding the model `src` names (a local folder, or a committed artifact / plain HF folder
     URI), in this node's cache; a store this node cannot read is named with the role and the host."""
-    from rlhf_core import model_inputs, models, store
+    from rlhf_core.inputs import model_inputs, models
+    from rlhf_core import store
 
     if Path(str(src)).is_dir() and not (Path(src) / store.MANIFEST).exists():
         return str(src)  # a plain local folder: used in place (a committed one may need its adapter merged)

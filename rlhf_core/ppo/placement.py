@@ -67,10 +67,10 @@ class Roles:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.jobs import free_port
+        from rlhf_core.runtime.jobs import free_port
         from rlhf_core.ppo import engines, node_store, weight_sync
         from rlhf_core.ppo.roles import Learner, Reference
-        from rlhf_core.rewards import RMEnsemble
+        from rlhf_core.rollout.rewards import RMEnsemble
 
         cuda = torch.cuda.is_available()
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node

@@ -11,7 +11,7 @@ and writes to the store in node_store.py.)
 Device and dtype: every role's model lives on `device()` (the GPU Ray reserved for the actor, else the CPU)
 in bf16 when `bf16` is set; every batch arrives from Ray on the CPU and goes to that device first
 (`to_device`), every result goes back to the CPU (`to_host`). Log-probs and entropy are of the tempered policy
-softmax(logits / temperature), computed in chunks (rlhf_core.logprobs), experience forwards in
+softmax(logits / temperature), computed in chunks (rlhf_core.rl.logprobs), experience forwards in
 micro_rollout_batch_size rows.
 
 A batch is a dict of tensors over B sequences of width L (prompt + response, right padded):
@@ -26,151 +26,11 @@ import time
 
 import torch
 
-from rlhf_core import logprobs, losses, rl_math
+from rlhf_core.rl import losses, rl_math
 from rlhf_core.ppo import node_store, weight_sync
-from rlhf_core.ppo.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
+from rlhf_core.ppo.forward import experience, micro_batches, rows_of, token_outputs, trimmed
+from rlhf_core.runtime.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
 from rlhf_core.train import adamw, no_lone_allreduce
-
-
-def policy_logprobs(model, batch: dict, temperature: float = 1.0, entropy: str | None = None):
-    """Per-token log-probs # (B, L - 1) of the tempered policy at the action columns (`mask`; all columns
-    without one), and entropy # (B, L - 1) or None (rlhf_core.logprobs: no (B, L, V) fp32 tensor)."""
-    return logprobs.token_logprobs(model, batch["ids"], batch["attn"], batch.get("mask"), temperature, entropy)
-
-
-def critic_values(model, batch: dict) -> torch.Tensor:
-    """Per-token values # (B, L - 1) from a sequence-classification model's score head applied to every
-    hidden state: the value of the state before token t + 1 sits in column t, as the log-probs do."""
-    core = getattr(model, model.base_model_prefix)
-    h = core(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).last_hidden_state  # (B, L, H)
-    return model.score(h).squeeze(-1)[:, :-1].float()
-
-
-def _packed(batch: dict):
-    """The rows of a right-padded batch as one packed row without padding (rlhf_core.train.batches.collate:
-    position ids restart at each sample, `doc` marks the samples), and the map back: padded (rows, cols)
-    # (M,) each <- packed column `flat` # (M,), for every column t < n_i - 1 of sample i (the last column of
-    a sample predicts the next sample's first token: it is dropped)."""
-    from rlhf_core.train import batches
-
-    lens = batch["attn"].sum(-1).tolist()
-    packed = batches.collate([batch["ids"][i, :n].tolist() for i, n in enumerate(lens)], [0] * len(lens), 0,
-                             packed=True)
-    offsets = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
-    rows = torch.cat([torch.full((n - 1,), i) for i, n in enumerate(lens)])
-    cols = torch.cat([torch.arange(n - 1) for n in lens])
-    flat = torch.cat([torch.arange(n - 1) + o for n, o in zip(lens, offsets)])
-    return packed, (rows, cols, flat)
-
-
-def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entropy: str | None = None,
-                  packing: bool = False):
-    """(log-probs of the tempered policy (kind "policy") or values ("critic") # (B, L - 1), entropy or None,
-    tokens forwarded). With `packing` (OpenRLHF's --packing_samples) the rows go through the model as one
-    packed row (no padding forwarded; the mask from rlhf_core.train.attention: flex / flash where the model
-    uses them, else a dense mask, logged once) and the outputs come back in the padded (B, L - 1) layout."""
-    if not packing:
-        tokens = batch["ids"].numel()
-        if kind == "policy":
-            return (*policy_logprobs(model, batch, temperature, entropy), tokens)
-        return critic_values(model, batch), None, tokens
-    from rlhf_core.train import attention
-
-    dev = batch["ids"].device
-    pb, (rows, cols, flat) = _packed(batch)
-    kw = attention.model_inputs(model, pb, dev)
-    rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
-    B, T = batch["ids"].shape[0], batch["ids"].shape[1] - 1
-
-    def unpack(x):  # (1, N - 1) -> (B, L - 1), zeros where a row has no token (autograd flows through)
-        return x.new_zeros(B, T).index_put((rows, cols), x[0, flat])
-
-    if kind == "critic":
-        core = getattr(model, model.base_model_prefix)
-        h = core(**kw, use_cache=False).last_hidden_state  # (1, N, H)
-        return unpack(model.score(h).squeeze(-1)[:, :-1].float()), None, pb.input_ids.numel()
-    mask = batch.get("mask")
-    pmask = torch.zeros((1, pb.input_ids.shape[1] - 1), device=dev)
-    pmask[0, flat] = mask[rows, cols].float() if mask is not None else 1.0
-    lp, ent = logprobs.token_logprobs(model, kw["input_ids"], kw["attention_mask"], pmask, temperature, entropy,
-                                      position_ids=kw["position_ids"])
-    return unpack(lp), unpack(ent) if ent is not None else None, pb.input_ids.numel()
-
-
-def _rows(batch: dict, idx) -> dict:
-    return {k: v[idx] for k, v in batch.items()}
-
-
-def _trimmed(b: dict) -> dict:
-    """`b` without the columns past its longest row (ids / attn # (B, W), per-token tensors # (B, W - 1)):
-    a token-bounded micro-batch forwards only its own width."""
-    L, w = b["ids"].shape[1], int(b["attn"].sum(-1).max())
-    return {k: v[:, :w if v.shape[1] == L else w - 1] if torch.is_tensor(v) and v.dim() == 2 else v
-            for k, v in b.items()}
-
-
-def token_cost(lengths: list[int], packing: bool) -> int:
-    """Tokens one micro-batch of rows with these lengths forwards: their sum packed, rows x the longest padded."""
-    return sum(lengths) if packing else len(lengths) * max(lengths, default=0)
-
-
-def token_bounded(lengths: list[int], bound: int, packing: bool, at_least: int = 0) -> list[list[int]]:
-    """Row indices of micro-batches whose token_cost stays <= `bound` (use_dynamic_batch): first fit over
-    the rows longest first, as OpenRLHF's get_minimum_num_micro_batch_size (a row longer than the bound
-    alone); then the fullest micro-batches are halved until there are `at_least` of them (every rank of a
-    group must run the same number of forwards: ZeRO-3 gathers parameters in each)."""
-    bins: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b in bins:
-            if token_cost([lengths[j] for j in b + [i]], packing) <= bound:
-                b.append(i)
-                break
-        else:
-            bins.append([i])
-    while len(bins) < at_least:
-        big = max(range(len(bins)), key=lambda k: len(bins[k]))
-        if len(bins[big]) < 2:
-            raise ValueError(f"cannot make {at_least} micro-batches of {len(lengths)} rows")
-        b = bins.pop(big)
-        bins += [b[:len(b) // 2], b[len(b) // 2:]]
-    return bins
-
-
-def _group_max(n: int) -> int:
-    """The largest `n` over this process's torch.distributed group (n itself without one)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return n
-    # nccl reduces CUDA tensors only: the count goes on this rank's GPU there, on the CPU under gloo
-    t = torch.tensor([n], device=device() if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
-def micro_batches(batch: dict, hp: dict, rollout: bool) -> list[list[int]]:
-    """Row indices of each micro-batch of `batch`: micro_rollout_batch_size (experience forwards, `rollout`)
-    or micro_train_batch_size rows in order; with use_dynamic_batch, token-bounded micro-batches
-    (rollout_max_tokens_per_gpu / train_max_tokens_per_gpu), as many on every rank of the group."""
-    n = batch["ids"].shape[0]
-    if not hp.get("use_dynamic_batch"):
-        size = hp["micro_rollout_batch_size" if rollout else "micro_train_batch_size"] or n
-        return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
-    lengths = batch["attn"].sum(-1).tolist()
-    bound = hp["rollout_max_tokens_per_gpu" if rollout else "train_max_tokens_per_gpu"]
-    bins = token_bounded(lengths, bound, hp["packing_samples"])
-    return token_bounded(lengths, bound, hp["packing_samples"], _group_max(len(bins)))
-
-
-def experience(batch: dict, hp: dict, dev, fn) -> torch.Tensor:
-    """fn(micro-batch on `dev`) -> per-token outputs, over the experience micro-batches of `batch`, gathered
-    back in row order on the CPU # (B, L - 1) (token-bounded micro-batches are cut to their own width)."""
-    out = torch.zeros(batch["ids"].shape[0], batch["ids"].shape[1] - 1)  # (B, L - 1)
-    for idx in micro_batches(batch, hp, rollout=True):
-        b = to_device(_rows(batch, idx), dev)
-        o = to_host(fn(_trimmed(b) if hp["use_dynamic_batch"] else b).float())
-        out[idx, :o.shape[1]] = o
-    return out
 
 
 class Learner:
@@ -187,7 +47,7 @@ class Learner:
     def setup(self, model_dir: str, hp: dict, master_addr: str, master_port: int, total_steps: int) -> int:
         model_dir = node_store.local_model(model_dir)  # this node's copy
         if self.kind == "critic":  # an OpenRLHF-format reward model (backbone + value head) as the critic
-            from rlhf_core.rewards import check_reward_model, head_prefix, value_head_as_seq_cls
+            from rlhf_core.rollout.rewards import check_reward_model, head_prefix, value_head_as_seq_cls
 
             prefix = head_prefix(model_dir, hp["value_head_prefix"])
             if check_reward_model(model_dir, prefix) == "value_head":
@@ -271,7 +131,7 @@ class Learner:
 
         from transformers import AutoTokenizer
 
-        from rlhf_core import models
+        from rlhf_core.inputs import models
         from rlhf_core.ppo.engines import HFRollout
 
         tok = AutoTokenizer.from_pretrained(self.model_dir)
@@ -359,14 +219,14 @@ class Learner:
         if not hp["use_dynamic_batch"]:
             mb = hp["micro_train_batch_size"]
             for s in range(0, len(order), mb):
-                yield _rows(batch, order[s:s + mb]), 1.0, None
+                yield rows_of(batch, order[s:s + mb]), 1.0, None
             return
         local = hp["train_batch_size"] // self.world
         for s in range(0, len(order), local):
-            rows = _rows(batch, order[s:s + local])
+            rows = rows_of(batch, order[s:s + local])
             mbs = micro_batches(rows, hp, rollout=False)
             for k, idx in enumerate(mbs):
-                yield _trimmed(_rows(rows, idx)), len(idx) / rows["ids"].shape[0], k == len(mbs) - 1
+                yield trimmed(rows_of(rows, idx)), len(idx) / rows["ids"].shape[0], k == len(mbs) - 1
 
     def train(self, batch: dict, kl_loss_coef: float) -> dict:
         """max_epochs passes over this rank's shard in micro-batches; one optimizer step per train_batch_size

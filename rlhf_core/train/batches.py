@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlhf_core.data import DataError
+from rlhf_core.inputs.data import DataError
 
 
 # ---------------------------------------------------------------------------------------------- tokenizing (parent)
@@ -23,7 +23,7 @@ def _fit(prompt: list[int], response: list[int], max_len: int, overlong: str, wh
          bos_id: int | None = None) -> tuple[list[int], bool]:
     """prompt + response within max_len: the response is cut (then the prompt from the left, keeping its BOS,
     `bos_id`, in front) or the row refused."""
-    from rlhf_core.models import keep_last
+    from rlhf_core.inputs.models import keep_last
 
     ids = prompt + response
     if len(ids) <= max_len:
@@ -37,19 +37,19 @@ def _fit(prompt: list[int], response: list[int], max_len: int, overlong: str, wh
 
 class Encoder:
     """(prompt, response) -> token ids, the one tokenization of training (sft, rm, dpo, reference pass) and
-    reward-model scoring: prompt with one BOS (rlhf_core.models.prompt_ids), response without special tokens,
+    reward-model scoring: prompt with one BOS (rlhf_core.inputs.models.prompt_ids), response without special tokens,
     the tokenizer's EOS after a finished response only (a response cut at the length limit did not end
     there), then cut to max_len by `_fit`. Prompt and response are tokenized apart, so the loss boundary
     falls between tokens."""
 
     def __init__(self, tok, max_len: int, overlong: str = "truncate", model_dir=None):
-        from rlhf_core import models
+        from rlhf_core.inputs import models
 
         self.tok, self.max_len, self.overlong = tok, max_len, overlong
         self.bos, self.eos = models.adds_bos(tok), models.eos_id(tok, model_dir)
 
     def prompt(self, text: str) -> list[int]:
-        from rlhf_core import models
+        from rlhf_core.inputs import models
 
         return models.prompt_ids(self.tok, text or "", self.bos)
 
@@ -87,7 +87,7 @@ def tokenize_multiturn(rows: list[dict], tok, max_len: int, overlong: str = "tru
     response), the first piece with one BOS. A conversation ending on an assistant turn whose span holds no
     EOS id gets the tokenizer's EOS there, as single-turn SFT appends it. Longer than max_len: cut from the
     right (spans clipped) or, with overlong=reject, refused. Returns (records, n_cut)."""
-    from rlhf_core import models
+    from rlhf_core.inputs import models
 
     bos, eos = models.adds_bos(tok), models.eos_ids(tok, model_dir)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import losses
+from rlhf_core.rl import losses
 from rlhf_core.train import adamw, checkpoints, no_lone_allreduce, ring, schedule
 from rlhf_core.train import attention
 from rlhf_core.train import memory, moe
@@ -36,7 +36,7 @@ def init_distributed():
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
-        from rlhf_core.jobs import free_port
+        from rlhf_core.runtime.jobs import free_port
         os.environ["MASTER_PORT"] = str(free_port())
     import deepspeed
     import deepspeed.ops
@@ -274,7 +274,7 @@ def save_final(engine, spec: dict, method, rank: int, extra_config: dict) -> Non
 def _tracker(spec: dict, history: list[dict]):
     """Rank 0's live TensorBoard / W&B writer into work_dir/tracking, which the stage uploads into the artifact.
     A job restarted from a checkpoint rewrites the folder from the restored history first: every step once."""
-    from rlhf_core.tracking import Tracker
+    from rlhf_core.runtime.tracking import Tracker
 
     t = spec["tracking"]
     shutil.rmtree(Path(spec["work_dir"]) / "tracking", ignore_errors=True)
@@ -292,7 +292,8 @@ def job_spec(ref: str) -> dict:
     another node (multi-node without a shared disk) fetches the data, the model and the checkpoint to resume
     from into its own cache: no node needs a path of another. Rank 0 must run on the launching host (the
     first hostfile entry / node_rank 0), where the stage reads the trained model from `work_dir`."""
-    from rlhf_core import model_inputs, store
+    from rlhf_core.inputs import model_inputs
+    from rlhf_core import store
 
     if "://" not in ref and Path(ref).exists():  # a local spec (debugging: python -m ... SPEC.json)
         return json.loads(Path(ref).read_text())
@@ -420,7 +421,7 @@ def main(spec_ref: str) -> None:
         if tracker:
             tracker.log(history[-1])
         if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
-            from rlhf_core.progress import eta
+            from rlhf_core.runtime.progress import eta
 
             took = time.time() - t0  # rank 0's tokens x world: the progress line's throughput estimate
             print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items())

@@ -15,7 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, model_validator
 
-from rlhf_core import data, jobs, models, store
+from rlhf_core.inputs import data, models
+from rlhf_core.runtime import jobs
+from rlhf_core import store
 from rlhf_core.train import attention, checkpoints
 
 log = logging.getLogger("rlhf_flows")

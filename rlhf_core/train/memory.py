@@ -2,7 +2,7 @@
 model loads (sampled from /proc/self/status every millisecond; anonymous pages only, so the safetensors files
 mapped and read do not count), and the parameter elements this rank holds (its ZeRO-3 partition) beside the
 model's. A ZeRO-3 rank that holds a shard shows a growth near the shard's bytes, not the model's
-(tests/rlhf_core/test_scale.py)."""
+(tests/rlhf_core/train/test_scale.py)."""
 from __future__ import annotations
 
 import threading

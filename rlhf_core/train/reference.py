@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_core import progress
+from rlhf_core.runtime import progress
 
 from rlhf_core.train.batches import seq_len
 
@@ -87,7 +87,7 @@ def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: P
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from rlhf_core import jobs
+        from rlhf_core.runtime import jobs
 
         shutil.rmtree(work_dir, ignore_errors=True)
         work_dir.mkdir(parents=True)

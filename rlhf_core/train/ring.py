@@ -18,7 +18,7 @@ Gradients: each collective's backward is its adjoint under "the objective is the
 (K/V gather -> all-reduce of the gathered gradient, then this rank's slice; all-reduce -> all-reduce). The
 group's R ranks each compute the micro-batch loss L, so the objective is R * L; DeepSpeed averages the
 gradients over world = dp * R ranks, which leaves the data-parallel mean of dL/dθ: the same step as
-`world / R` ranks without ring attention (tests/rlhf_core/test_scale.py checks loss and gradients).
+`world / R` ranks without ring attention (tests/rlhf_core/train/test_scale.py checks loss and gradients).
 
 Left out: sliding-window and soft-capped attention (refused by name), methods that read hidden states at a
 sample's last token (rm, prm, kd: refused before training), and a real ring (blockwise passing, O(T/R)

@@ -135,7 +135,8 @@ def test_artifact_errors_show_refuses_a_missing_or_uncommitted_prefix(tmp_path, 
 
 
 def test_reward_and_generation_errors_are_one_line(tmp_path, capsys, tiny):
-    from rlhf_core import data, store
+    from rlhf_core.inputs import data
+    from rlhf_core import store
 
     w = store.ArtifactWriter(str(tmp_path / "samples"), "generate", {"t": 1})
     w.begin()
@@ -191,7 +192,7 @@ def test_the_ui_names_the_flow_run_after_the_run_and_each_task_run_by_its_place(
 
 
 def test_a_failed_stage_inside_a_flow_is_one_line_naming_stage_and_uri(prefect_harness, tiny, tmp_path, capsys):
-    from rlhf_core import demo_task
+    from rlhf_core.demo import demo_task
 
     argv = ["run", "raft", f"root={tmp_path}", f"pretrain_uri={tiny.policy_uri}", f"reward_func_file={demo_task.__file__}",
             f"prompt_data={tmp_path / 'nope.jsonl'}", "iterations=1"]

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from flows.cli import FLOWS, cmd_run
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from tests.conftest import upload_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from tests.flows.flowkit import kill_marked
 
 pytestmark = pytest.mark.slow

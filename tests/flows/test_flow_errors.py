@@ -9,10 +9,11 @@ import time
 import pytest
 
 from flows import common, lock
-from rlhf_core import locks
+from rlhf_core.store import locks
 from flows.iterative_dpo import Params, iterative_dpo
 from rlhf_core import store
-from stages.common import ConfigError, StageFailed, load_config
+from flows.tasks import StageFailed
+from stages.common import ConfigError, load_config
 
 
 def test_typo_in_a_stage_setting_is_named_before_any_work(tmp_path):

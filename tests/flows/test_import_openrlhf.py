@@ -144,7 +144,8 @@ def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
     """OpenRLHF's train_sft.sh (v0.11.0, dotted) imported through the CLI, then run by `rlhf-flows stage sft
     --config` with the hub ids replaced by the tiny model and a jsonl of OpenOrca's keys (question /
     response), sizes shrunk by overrides: it commits with the script's packing, keys and template."""
-    from rlhf_core import demo_task, store
+    from rlhf_core.demo import demo_task
+    from rlhf_core import store
 
     rows = [{"question": r["input"], "response": r["output"]} for r in demo_task.sft_rows(16)]
     src = tmp_path / "openorca.jsonl"
@@ -167,7 +168,8 @@ def test_imported_dpo_command_runs_scaled_down(tiny, tmp_path):
     """OpenRLHF's train_dpo.sh (v0.9.10, flat flags) imported, then its three stages (prepare pairs -> reference
     log-probs -> dpo) run by `rlhf-flows stage NAME --config` with the tiny model and pairs in its dataset's shape
     (chosen / rejected message lists, chat template), sizes shrunk: dpo commits with the script's settings."""
-    from rlhf_core import demo_task, store
+    from rlhf_core.demo import demo_task
+    from rlhf_core import store
 
     rows = [{k: [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r[k]}]
              for k in ("chosen", "rejected")} for r in demo_task.preference_rows(16)]
@@ -220,7 +222,8 @@ def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
     assert (cfg.zero_stage, cfg.packing_samples, cfg.use_dynamic_batch, cfg.colocate_all_models, cfg.init_kl_coef,
             cfg.critic_learning_rate, cfg.input_key, cfg.apply_chat_template, cfg.enable_vllm_is_correction) == \
         (3, True, True, True, 0.01, 9e-6, "context_messages", True, True)
-    from rlhf_core import demo_task, store
+    from rlhf_core.demo import demo_task
+    from rlhf_core import store
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"context_messages": [{"role": "user", "content": p["input"]}]}) + "\n"

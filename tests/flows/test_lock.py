@@ -8,7 +8,7 @@ import pytest
 
 from flows import lock
 from flows.calls import call as call_stage
-from rlhf_core import locks
+from rlhf_core.store import locks
 from rlhf_core import store
 
 ROUNDS = 20

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from tests.flows.flowkit import demo_params, manifests
 
 pytestmark = pytest.mark.slow
@@ -126,7 +127,7 @@ def test_raft_with_a_process_reward_model_raises_gold_reward(demo_run, s3_root, 
     import json as json_
 
     from flows.raft import Params, raft
-    from rlhf_core import tiny as tiny_mod
+    from rlhf_core.demo import tiny as tiny_mod
     from stages import train_prm
 
     tok = tiny_mod.build_tokenizer(tmp_path / "tok", demo_task.corpus(0), added_tokens=(demo_task.PLACEHOLDER, *demo_task.REWARD_TOKENS))
@@ -163,7 +164,7 @@ def test_conditional_sft_learns_to_follow_its_condition_on_s3(demo_run, s3_root)
     import yaml
 
     from flows.conditional_sft import Params, conditional_sft
-    from rlhf_core.serve_rm import make_server
+    from rlhf_core.rollout.serve_rm import make_server
     from tests.flows.flowkit import DEMO
 
     csft = yaml.safe_load(DEMO_CSFT.read_text())

@@ -19,7 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages.common import ConfigError
 from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifests
 

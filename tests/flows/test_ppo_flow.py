@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from flows import common, ppo as ppo_flow
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from rlhf_core.train import checkpoints
 from stages.common import ConfigError, load_config
 from tests.flows.flowkit import kill_marked, manifests

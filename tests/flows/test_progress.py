@@ -9,7 +9,9 @@ import re
 
 import pytest
 
-from rlhf_core import data, progress, store
+from rlhf_core.inputs import data
+from rlhf_core.runtime import progress
+from rlhf_core import store
 from tests.conftest import tb_scalars
 
 
@@ -75,7 +77,7 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
         from prefect.context import FlowRunContext
 
         rep = report.Report("progress-check", str(tmp_path), "run", stages=2)
-        calls.call(score.task, cfg)
+        calls.call(score, cfg)
         rep.add({"iteration": 0, "gold_reward": -0.25, "rm_reward": 1.5, "kl": 0.0, "response_length": 12.0})
         rep.add({"iteration": 1, "gold_reward": 0.125, "kl": 0.03125})
         rep.finish()
@@ -111,7 +113,7 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
 
 def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_tokens_per_s_and_eta(tiny, tmp_path, capsys):
     from flows import cli
-    from rlhf_core import demo_task
+    from rlhf_core.demo import demo_task
 
     w = store.ArtifactWriter(str(tmp_path / "pairs"), "data", {"n": 16})
     w.begin()

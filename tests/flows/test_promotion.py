@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from flows import promotion
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages.common import ConfigError
 from tests.flows.flowkit import manifests
 
@@ -65,7 +66,7 @@ def test_a_worse_night_is_not_promoted_and_the_next_night_starts_from_the_promot
     assert _read(lineage)["promoted"]["policy_uri"] == promoted == first["promotion"]["promoted"]["policy_uri"]
 
     reversed_reward = tmp_path / "reversed.py"
-    reversed_reward.write_text("from rlhf_core.demo_task import reward_func as gold\n\n\n"
+    reversed_reward.write_text("from rlhf_core.demo.demo_task import reward_func as gold\n\n\n"
                                "def reward_func(queries, prompts, labels):\n"
                                "    return {'rewards': -gold(queries, prompts, labels)['rewards']}\n")
     worse = Params(**nightly(**data, run_name="night-2", reward_func_file=str(reversed_reward)))

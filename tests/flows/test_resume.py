@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifests
 
 pytestmark = pytest.mark.slow

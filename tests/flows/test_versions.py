@@ -5,7 +5,9 @@ import os
 import time
 
 from flows.cli import main
-from rlhf_core import model_inputs, store, versions
+from rlhf_core.inputs import model_inputs
+from rlhf_core import store
+from rlhf_core.store import versions
 
 
 def _commit(uri, n, inputs=None):

@@ -7,7 +7,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store, tiny as tiny_mod
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task, tiny as tiny_mod
+from rlhf_core import store
 from stages import dpo, reference
 from stages.common import ConfigError
 

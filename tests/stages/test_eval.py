@@ -3,7 +3,9 @@ import json
 
 import pytest
 
-from rlhf_core import demo_task, model_inputs, store
+from rlhf_core.demo import demo_task
+from rlhf_core.inputs import model_inputs
+from rlhf_core import store
 from stages import eval as eval_stage, prepare
 
 

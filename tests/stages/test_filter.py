@@ -1,7 +1,9 @@
 """filter stage over hand-made scored rows on the moto S3 endpoint."""
 import pytest
 
-from rlhf_core import data, postprocess, store
+from rlhf_core.inputs import data
+from rlhf_core.rollout import postprocess
+from rlhf_core import store
 from stages import filter as filter_stage
 from stages.common import ConfigError, load_config
 

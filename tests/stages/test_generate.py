@@ -3,7 +3,9 @@ import json
 
 import pytest
 
-from rlhf_core import data, demo_task, store
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages import generate
 from stages.common import ConfigError, load_config
 
@@ -130,7 +132,7 @@ def test_max_num_seqs_bounds_the_sequences_per_forward(tiny):
     """max_num_seqs (vLLM's --max_num_seqs): hf runs at most that many sequences (prompts x best_of_n) through each
     forward; vllm.LLM is given it. 5 prompts x n 2 with max_num_seqs 4: calls of 2, 2, 1 prompts -> rows 4, 4, 2
     per forward; without it (batch_size 64) one call of 10 rows."""
-    from rlhf_core.generation import EngineSpec, HFEngine, SamplingSpec, vllm_kwargs
+    from rlhf_core.rollout.generation import EngineSpec, HFEngine, SamplingSpec, vllm_kwargs
 
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
     params = SamplingSpec(n=2, max_new_tokens=3, seed=0)

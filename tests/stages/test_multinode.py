@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from tests.conftest import free_port, upload_folder
 from tests.flows.flowkit import kill_marked
 

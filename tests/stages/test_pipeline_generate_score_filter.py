@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf_core import demo_task, store
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages import filter as filter_stage
 from stages import generate, score
-from tests.rlhf_core.test_rewards import reward_server  # noqa: F401  (fixture)
+from tests.rlhf_core.rollout.test_rewards import reward_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,7 +51,7 @@ def test_score_three_sources_then_each_filter(pipeline, tiny, reward_server, tmp
     url, seen = reward_server
     root = pipeline.root
     rf = tmp_path / "gold.py"
-    rf.write_text("from rlhf_core.demo_task import reward_func\n")
+    rf.write_text("from rlhf_core.demo.demo_task import reward_func\n")
     rm_cfg = score.Config(samples_uri=pipeline.vllm.uri, reward_model_uri=tiny.reward_uri, num_engines=2,
                           output_uri=f"{root}/scored-rm")
     rm = score.run(rm_cfg)

@@ -19,12 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import agent, data, demo_task, model_inputs, store, tiny as tiny_mod
+from rlhf_core.rollout import agent
+from rlhf_core.inputs import data, model_inputs
+from rlhf_core.demo import demo_task, tiny as tiny_mod
+from rlhf_core import store
 from rlhf_core.ppo import loop
-from rlhf_core.rewards import RewardError
+from rlhf_core.rollout.rewards import RewardError
 from stages import ppo, sft
 from stages.common import ConfigError, load_config
-from tests.rlhf_core.test_rewards import reward_server  # noqa: F401  (fixture)
+from tests.rlhf_core.rollout.test_rewards import reward_server  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = dict(reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE, generate_max_len=12,
@@ -52,7 +55,7 @@ def held_out_gold(model_dir) -> float:
     """Mean gold reward of 8 sampled responses to each of 24 held-out prompts (fixed seed)."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.generation import SamplingSpec, generate
+    from rlhf_core.rollout.generation import SamplingSpec, generate
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = [tok(demo_task.INPUT_TEMPLATE.format(r["input"]), add_special_tokens=False).input_ids
@@ -618,7 +621,7 @@ def test_ptx_two_reward_models_value_head_critic_hf_checkpoints_and_rollouts_on_
     vllm_num_engines 0 (policy rank 0 generates). 3 steps; the actor is frozen at step 1."""
     from transformers import AutoModelForCausalLM
 
-    from tests.rlhf_core.test_ppo_roles import openrlhf_rm
+    from tests.rlhf_core.ppo.test_ppo_roles import openrlhf_rm
 
     a = openrlhf_rm(tiny.reward_dir, tmp_path / "rm_a")
     b = openrlhf_rm(tiny.reward_dir, tmp_path / "rm_b", prefix="score", scale=2.0)
@@ -649,7 +652,7 @@ def test_ptx_two_reward_models_value_head_critic_hf_checkpoints_and_rollouts_on_
 
 
 EXECUTOR = """
-from rlhf_core.agent import AgentExecutorBase
+from rlhf_core.rollout.agent import AgentExecutorBase
 
 
 class AgentExecutor(AgentExecutorBase):

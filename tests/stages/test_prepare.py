@@ -72,7 +72,7 @@ def test_samples_from_an_existing_dataset_score_and_filter_like_generated_ones(t
     assert [(r["prompt"], r["response"], r["sample_index"], r["label"]) for r in rows] == \
         [("A:", " great good", 0, "0"), ("B:", " bad", 0, "1"), ("A:", " good", 1, "2")]
     rf = tmp_path / "rf.py"
-    rf.write_text("from rlhf_core.demo_task import reward_func\n")
+    rf.write_text("from rlhf_core.demo.demo_task import reward_func\n")
     scored = score.run(score.Config(samples_uri=m.uri, reward_func_path=str(rf), output_uri=str(tmp_path / "scored")))
     best = filter_stage.run(filter_stage.Config(scored_uri=scored.uri, method="rs", output_uri=str(tmp_path / "best")))
     assert sorted(r["output"] for r in store.read_table(best.uri).to_pylist()) == [" bad", " great good"]

@@ -1,4 +1,4 @@
-"""Stages as Ray Jobs (rlhf_core/ray_jobs.py) against a real local Ray head started here with its own ports and
+"""Stages as Ray Jobs (rlhf_core/runtime/ray_jobs.py) against a real local Ray head started here with its own ports and
 temp dir (`ray start --head --block`, stopped by pid): ppo submitted from a Prefect flow with
 ray_address=http://HEAD:PORT commits on the moto store, its job is SUCCEEDED in the job list, its lines reach the
 task's run log, and the store credentials reach the job through its env_vars only (the head runs without them);
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import demo_task, ray_jobs, store
+from rlhf_core.demo import demo_task
+from rlhf_core.runtime import ray_jobs
+from rlhf_core import store
 from stages import generate, ppo
 from tests.conftest import die_with_parent, free_port, upload_folder
 
@@ -160,7 +162,9 @@ def test_ppo_as_a_ray_job_from_a_flow_commits_and_streams_its_log(ray_head, inpu
 
     @flow(name="ray-job-ppo")
     def one_stage():
-        return ppo.task(cfg), str(FlowRunContext.get().flow_run.id)
+        from flows.tasks import task_for
+
+        return task_for("ppo")(cfg), str(FlowRunContext.get().flow_run.id)
 
     m, flow_run_id = one_stage()
     held = store.read_manifest(out)

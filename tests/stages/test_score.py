@@ -3,8 +3,10 @@ import math
 
 import pytest
 
-from rlhf_core import data, demo_task, store
-from rlhf_core.rewards import RewardError
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task
+from rlhf_core import store
+from rlhf_core.rollout.rewards import RewardError
 from stages import score
 from stages.common import ConfigError, load_config
 
@@ -40,7 +42,7 @@ def test_reward_model_scores_metrics_and_rerun(tiny, samples_uri, s3_root):
 
 def test_reward_func_file_gold_rewards(samples_uri, s3_root, tmp_path):
     rf = tmp_path / "rf.py"
-    rf.write_text("from rlhf_core.demo_task import reward_func\n")
+    rf.write_text("from rlhf_core.demo.demo_task import reward_func\n")
     m = score.run(score.Config(samples_uri=samples_uri, reward_func_path=str(rf), output_uri=f"{s3_root}/g"))
     rows = store.read_table(m.uri).to_pylist()
     assert [r["reward"] for r in rows] == pytest.approx([demo_task.gold_reward(r) for r in RESPONSES])

@@ -5,8 +5,9 @@ import threading
 import pytest
 import requests
 
-from rlhf_core import data, store
-from rlhf_core.serve_rm import make_server
+from rlhf_core.inputs import data
+from rlhf_core import store
+from rlhf_core.rollout.serve_rm import make_server
 from stages import score
 
 RESPONSES = [" great good .", " bad awful", " the tea was nice", " broken ."]
@@ -44,7 +45,7 @@ def test_score_through_serve_rm_equals_the_reward_model(tiny, samples_uri, tmp_p
 
 
 def test_serve_rm_without_normalisation_returns_raw_scores(tiny):
-    from rlhf_core.rewards import RMEngine, RewardSpec
+    from rlhf_core.rollout.rewards import RMEngine, RewardSpec
 
     server = make_server(str(tiny.reward_dir), port=0, normalize=False)
     t = threading.Thread(target=server.serve_forever, daemon=True)

@@ -9,8 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, model_inputs, store, versions
-from rlhf_core.jobs import JobFailed
+from rlhf_core.inputs import data, model_inputs
+from rlhf_core.demo import demo_task
+from rlhf_core import store
+from rlhf_core.store import versions
+from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import checkpoints, launch
 from rlhf_core.train.launch import TrainingIncomplete  # noqa: F401  (part of the contract)
 from stages import sft
@@ -70,7 +73,7 @@ def test_packed_loss_equals_unpacked(tiny):
     log-probs as padded rows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_core import losses
+    from rlhf_core.rl import losses
     from rlhf_core.train import attention
     from rlhf_core.train.batches import collate, per_sample_sum, tokenize_sft
 
@@ -201,7 +204,7 @@ def test_overlong_truncated_and_counted(tiny):
 def test_foreign_checkpoint_is_refused_and_a_corrupt_one_passed_over(tiny, tmp_path, caplog):
     """Another job's checkpoint is a configuration mistake: refused by name, nothing committed. Our own with
     bytes that do not match their sha256 is logged and passed over (none left: training from scratch), and
-    the run still trains every step (tests/rlhf_core/test_checkpoints.py covers falling back to an older one)."""
+    the run still trains every step (tests/rlhf_core/train/test_checkpoints.py covers falling back to an older one)."""
     uri = sft_data(tmp_path, 16)
     out = tmp_path / "ck"
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=uri, output_uri=str(out), **FAST)
@@ -238,7 +241,7 @@ def test_pairs_sharing_their_prompt_equal_two_rows(tiny, method):
     whose prompts differ (as after truncation) and pairs of different lengths."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhf_core import losses
+    from rlhf_core.rl import losses
     from rlhf_core.train.batches import collate, collate_pairs, per_sample_sum, tokenize_pairs
     from rlhf_core.train.entry import forward
     from rlhf_core.train.methods import rm as rm_method

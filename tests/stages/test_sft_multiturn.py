@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from rlhf_core import demo_task, store
-from rlhf_core.data import DataError
+from rlhf_core.demo import demo_task
+from rlhf_core import store
+from rlhf_core.inputs.data import DataError
 from rlhf_core.train.batches import tokenize_multiturn
 from stages import sft
 from stages.common import ConfigError
@@ -30,7 +31,7 @@ def turn_nll(model_dir, recs) -> torch.Tensor:
     """Mean NLL of each assistant turn # (conversations, turns)."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import losses
+    from rlhf_core.rl import losses
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
@@ -47,7 +48,7 @@ def test_multiturn_sft_lowers_every_turn_and_single_turn_only_the_last(tiny, tmp
     than 20% (measured: 27-31%). multiturn=false (the last assistant message is the response): the last
     turn falls, while the earlier turns move less than a third as much as under multiturn=true (measured:
     under 5%)."""
-    from rlhf_core import models
+    from rlhf_core.inputs import models
 
     rng = random.Random(0)
     data = tmp_path / "chats.jsonl"
@@ -98,7 +99,7 @@ def test_multiturn_bad_input_is_refused_by_name(tiny, tmp_path):
 def test_multiturn_spans_are_the_assistant_turns_padded_or_packed(tiny):
     """Each span decodes to exactly its turn as the template renders it (content + end-of-turn markup), the
     final turn with the EOS; padded and packed batches mark the same target tokens; a cut keeps what fits."""
-    from rlhf_core import models
+    from rlhf_core.inputs import models
     from rlhf_core.train.batches import collate
 
     tok = models.load_tokenizer(tiny.policy_dir)

@@ -12,8 +12,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlhf_core import data, demo_task, models, store
-from rlhf_core.jobs import JobFailed
+from rlhf_core.inputs import data, models
+from rlhf_core.demo import demo_task
+from rlhf_core import store
+from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import batches, checkpoints, entry, launch, schedule
 from stages import dpo, reference, sft
 from tests.conftest import tb_scalars
@@ -180,7 +182,7 @@ def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, 
     # the held-out rows (the stage's own draw) under the committed model: the mean of each row's mean NLL
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import model_inputs
+    from rlhf_core.inputs import model_inputs
 
     model_dir = model_inputs.fetch_model(out)
     tok = models.load_tokenizer(model_dir)

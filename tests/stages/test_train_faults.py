@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from rlhf_core import model_inputs, store
+from rlhf_core.inputs import model_inputs
+from rlhf_core import store
 from stages import sft
 from tests.stages.test_sft import FAST, sft_data, weights
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store, tiny as tiny_mod
-from rlhf_core.rewards import RewardError, RewardSpec, compute_rewards
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task, tiny as tiny_mod
+from rlhf_core import store
+from rlhf_core.rollout.rewards import RewardError, RewardSpec, compute_rewards
 from stages import score, train_prm
 from stages.common import ConfigError
 
@@ -92,7 +94,7 @@ def test_prm_step_separator_scores_a_policys_unmarked_steps(trained, tiny, tmp_p
     where the training data marked it, so the held-out responses stripped of their placeholders get the step
     rewards of the marked ones; the stored responses stay unmarked. A response that already holds a
     placeholder, or the setting without a PRM, is refused; nothing is committed."""
-    from rlhf_core.rewards import mark_steps
+    from rlhf_core.rollout.rewards import mark_steps
 
     assert mark_steps(" great tea\n\nbad lamp \n", "\n", "ки") == " great tea ки\n\nbad lamp ки\n"
     assert mark_steps("  ", "\n", "ки") == " ки"  # a blank response is one empty step

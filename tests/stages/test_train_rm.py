@@ -8,7 +8,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from rlhf_core import data, demo_task, store
+from rlhf_core.inputs import data
+from rlhf_core.demo import demo_task
+from rlhf_core import store
 from stages import train_rm
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core import losses
+from rlhf_core.rl import losses
 from rlhf_core.train.entry import forward
 
 MODEL = "causal_lm"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core import losses
+from rlhf_core.rl import losses
 from rlhf_core.train.entry import batch_of, target_logits
 
 MODEL = "causal_lm"
@@ -22,7 +22,8 @@ MODEL = "causal_lm"
 def setup(engine, spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import model_inputs, store
+    from rlhf_core.inputs import model_inputs
+    from rlhf_core import store
 
     path = spec["teacher_dir"]
     if spec.get("launch_cache") not in (None, str(store.cache_root())):  # a rank on another node: its own copy

@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from rlhf_core import losses
-from rlhf_core.data import DataError
+from rlhf_core.rl import losses
+from rlhf_core.inputs.data import DataError
 from rlhf_core.train.batches import Encoder
 from rlhf_core.train.entry import forward
 

@@ -6,14 +6,14 @@ the reward tokens (e.g. "+" good, "-" bad), or a number in [0, 1] (a soft label:
 step is good, with exactly two reward tokens). The loss is the cross-entropy of the LM's logits AT each
 placeholder position (no shift: the placeholder's own output predicts the label), restricted to the reward
 tokens' logits, averaged over the placeholders of a micro-batch. The step reward at scoring time is the
-softmax probability of the first (positive) reward token over the reward tokens (rlhf_core.rewards).
+softmax probability of the first (positive) reward token over the reward tokens (rlhf_core.rollout.rewards).
 The placeholder and the reward tokens must each be one token of the tokenizer (`token_id` refuses others).
 """
 from __future__ import annotations
 
 import torch
 
-from rlhf_core.data import DataError
+from rlhf_core.inputs.data import DataError
 
 MODEL = "causal_lm"
 CONFIG_KEYS = ("prm_placeholder_token", "prm_reward_tokens")  # written into the saved config.json: a PRM knows itself
@@ -31,9 +31,9 @@ def token_id(tok, token: str, what: str) -> int:
 def encode(tok, text: str, placeholder_id: int, max_len: int, bos: bool) -> tuple[list[int], int]:
     """(token ids of the text, cut to max_len from the right; placeholders present in them). The whole text is
     tokenized at once (as OpenRLHF and Math-Shepherd do), with one BOS in front where the tokenizer uses one
-    (rlhf_core.models.prompt_ids, this project's convention; Math-Shepherd's inference has it, OpenRLHF's PRM
+    (rlhf_core.inputs.models.prompt_ids, this project's convention; Math-Shepherd's inference has it, OpenRLHF's PRM
     dataset leaves it out). Training and scoring both come through here."""
-    from rlhf_core.models import prompt_ids
+    from rlhf_core.inputs.models import prompt_ids
 
     ids = prompt_ids(tok, text, bos)[:max_len]
     return ids, sum(t == placeholder_id for t in ids)
@@ -43,7 +43,7 @@ def tokenize(rows: list[tuple[str, int, dict]], tok, input_key: str, label_key: 
              reward_tokens: list[str], max_len: int, overlong: str = "truncate") -> tuple[list[dict], int]:
     """Raw (source, row number, row) -> {ids, targets}: targets # (steps, K) is the label distribution over the
     K reward tokens of each placeholder that survived the cut to max_len. Every bad row names source, row, key."""
-    from rlhf_core.models import adds_bos
+    from rlhf_core.inputs.models import adds_bos
 
     ph = token_id(tok, placeholder, "placeholder_token")
     bos, K = adds_bos(tok), len(reward_tokens)

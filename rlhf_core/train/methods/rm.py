@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from rlhf_core import losses
+from rlhf_core.rl import losses
 from rlhf_core.train import attention
 from rlhf_core.train.entry import batch_of
 

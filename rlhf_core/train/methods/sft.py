@@ -2,7 +2,7 @@
 stage sets `start`), OpenRLHF's GPTLMLoss."""
 from __future__ import annotations
 
-from rlhf_core import losses
+from rlhf_core.rl import losses
 from rlhf_core.train.entry import forward
 
 MODEL = "causal_lm"

@@ -1,0 +1,77 @@
+"""The launcher: output streamed to the log, JobFailed with the last lines, process group killed on error."""
+import logging
+import os
+import sys
+import time
+
+import pytest
+
+from rlhf_core.runtime import jobs
+
+
+def test_command_shapes(tmp_path):
+    ds = jobs.launcher_command("m.entry", ["spec.json"], "deepspeed", num_gpus=2, master_port=1234)
+    assert ds[0].endswith("deepspeed") and ds[1:5] == ["--num_gpus", "2", "--master_port", "1234"]
+    assert ds[-3:] == ["--module", "m.entry", "spec.json"]
+    multi = jobs.launcher_command("m", [], "deepspeed", 8, 2, hostfile="/h", master_port=1)
+    assert multi[5:9] == ["--hostfile", "/h", "--num_nodes", "2"]
+    tr = jobs.launcher_command("m", ["a"], "torchrun", 2, master_port=5)
+    assert tr[0].endswith("torchrun") and tr[-3:] == ["-m", "m", "a"] and "--nproc_per_node" in tr
+    # one process on one node: the rank runs directly (no launcher processes), unless a port was pinned
+    assert jobs.launcher_command("m.entry", ["spec.json"], "deepspeed") == [sys.executable, "-u", "-m", "m.entry", "spec.json"]
+    assert jobs.launcher_command("m", [], "deepspeed", master_port=7)[0].endswith("deepspeed")
+    with pytest.raises(ValueError, match="unknown launcher"):
+        jobs.launcher_command("m", [], "mpirun")
+    assert jobs.job_env(2)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+
+
+def test_streams_lines_and_fails_with_tail(caplog):
+    code = "import sys\nfor i in range(100): print('line', i)\nprint('boom: bad thing', file=sys.stderr)\nsys.exit(3)"
+    with caplog.at_level(logging.INFO, logger="rlhf_flows"):
+        with pytest.raises(jobs.JobFailed, match="exit code 3") as e:
+            jobs.run_job([sys.executable, "-c", code], tail_lines=5)
+    assert e.value.returncode == 3
+    assert e.value.tail[-1] == "boom: bad thing" and len(e.value.tail) == 5
+    assert "boom: bad thing" in str(e.value)
+    assert "line 0" in caplog.text  # every line reached the log
+    assert jobs.run_job([sys.executable, "-c", "print('ok')"]) == ["ok"]
+
+
+def test_exception_in_parent_kills_process_group(tmp_path):
+    """The child starts a grandchild (like the launcher starts ranks); an exception while streaming kills both."""
+    pidfile = tmp_path / "pids"
+    code = (f"import os, subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}')\nprint('started', flush=True)\ntime.sleep(60)")
+
+    def cancel(line):
+        if line == "started":
+            raise KeyboardInterrupt  # what a Prefect cancellation looks like inside the task
+
+    with pytest.raises(KeyboardInterrupt):
+        jobs.run_job([sys.executable, "-c", code], on_line=cancel)
+    child, grandchild = map(int, pidfile.read_text().split())
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(grandchild):
+        time.sleep(0.1)
+    assert not _alive(child) and not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not reaped by its dead parent yet) counts as gone
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_silent_job_is_killed_and_named_after_the_stall_timeout(tmp_path):
+    pidfile = tmp_path / "pid"
+    code = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\nprint('step 1/9', flush=True)\ntime.sleep(60)"
+    t0 = time.time()
+    with pytest.raises(jobs.JobStalled, match=r"sft training for s3://b/x made no progress \(no output line\) for 2s"
+                                              r": killed \(stall_timeout_s\); last lines:\nstep 1/9"):
+        jobs.run_job([sys.executable, "-c", code], stall_timeout_s=2, what="sft training for s3://b/x")
+    assert time.time() - t0 < 50 and not _alive(int(pidfile.read_text()))
