@@ -344,7 +344,7 @@ def to_wire(sd: dict) -> dict:
     """A state_dict for Ray's object store, as numpy arrays: `ray.put` copies each once into shared memory and
     `ray.get` maps it without a copy. Torch tensors would be pickled and copied at both ends: the stage's weight
     sync at a 57M-parameter fp32 policy took 1.22 s per step as tensors, 0.10 s as arrays
-    (benchmarks/ppo_step.py --size 57m, benchmarks/RESULTS.md)."""
+    (benchmarks/parts/ppo_step.py --size 57m, benchmarks/RESULTS.md)."""
     out = {}
     for k, v in sd.items():
         v = v.detach().cpu()

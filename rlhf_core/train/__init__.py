@@ -19,7 +19,7 @@ def adamw(params, lr: float, betas, weight_decay: float):
 def no_lone_allreduce(engine):
     """A DeepSpeed engine without ZeRO on a single rank skips its gradient all-reduce: DeepSpeed otherwise
     flattens every gradient into one new buffer at each optimizer step to all-reduce it with itself: 0.67 s of a
-    7.1 s profiled step for a 57M-parameter fp32 policy on 2 CPU cores (benchmarks/learner_step.py --profile;
+    7.1 s profiled step for a 57M-parameter fp32 policy on 2 CPU cores (benchmarks/parts/learner_step.py --profile;
     benchmarks/RESULTS.md). With several ranks, or under ZeRO (whose optimizer partitions through that path),
     the engine is left as it is."""
     import torch.distributed as dist

@@ -8,7 +8,7 @@ gets a CPU batch, as Ray delivers it, and must hand back CPU results from a mode
 Layer (b), the whole ppo stage with Ray placement and vLLM's CUDA engine, is tests/test_gpu.py on a full GPU
 image. Run this file on the lent machine with
 
-    bash benchmarks/gpu_smoke.sh          (header: how to prepare the .whl folder it installs)
+    bash benchmarks/gpu/gpu_smoke.sh          (header: how to prepare the .whl folder it installs)
 
 or, where DeepSpeed is installed: python -m pytest -n0 -m gpu tests/rlhf_core/ppo/test_gpu_roles.py -q.
 Without CUDA every test here is skipped (tests/conftest.py).

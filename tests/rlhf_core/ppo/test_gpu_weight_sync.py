@@ -1,6 +1,6 @@
 """The CUDA IPC weight hand-over between two processes on one GPU (layer (a): no Ray, no vLLM; the path the
 ppo stage takes with colocate_all_models on CUDA, rlhf_core.ppo.weight_sync.ipc_handles -> the engine's
-receive_ipc). Skipped without CUDA (tests/conftest.py); run by benchmarks/gpu_smoke.sh on the lent machine.
+receive_ipc). Skipped without CUDA (tests/conftest.py); run by benchmarks/gpu/gpu_smoke.sh on the lent machine.
 """
 from __future__ import annotations
 

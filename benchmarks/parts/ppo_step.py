@@ -5,7 +5,7 @@ into the generating copy. Both fp32, same prompts, samples per prompt,
 completion length, batch sizes and steps; stage startup (Ray, actors) is reported apart and left out of the
 per-step figure. Goal: stage <= 1.15x the bare loop; the stage's peak memory is in its training log.
 
-    .venv/bin/python benchmarks/ppo_step.py [--steps 8] [--size tiny|57m]
+    .venv/bin/python benchmarks/parts/ppo_step.py [--steps 8] [--size tiny|57m]
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ stage runs by default), each as the forwards alone (what the stage records as `s
 as wall time with process start, imports and model load (the stage's `job_seconds`).
 fp32 on CPU; bf16 when a GPU is present (--bf16 to force).
 
-    .venv/bin/python benchmarks/reference.py [--pairs 512] [--batch 16] [--bf16]
+    .venv/bin/python benchmarks/parts/reference.py [--pairs 512] [--batch 16] [--bf16]
 """
 from __future__ import annotations
 

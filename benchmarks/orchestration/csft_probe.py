@@ -4,7 +4,7 @@ sample the held-out prompts under the best (4) and worst (0) bucket and print th
 --cond digit: the bucket index as the tag; letter: E..A; const: one tag "2" everywhere (eval too);
 constletter: trained with "C" on every row, evaluated under A / E. --strip_id drops the "#12 " prompt ids.
 
-    D=runs/csft-demo; PYTHONPATH=. .venv/bin/python benchmarks/csft_probe.py --policy $D/sft \
+    D=runs/csft-demo; PYTHONPATH=. .venv/bin/python benchmarks/orchestration/csft_probe.py --policy $D/sft \
         --rows $D/iter-1/csft/sft.parquet --eval_prompts $D/eval_prompts/prompts.parquet --steps 192 --cond letter
 
 (rows of a run with letter labels are read back by their bucket index, the `reward` column.)"""

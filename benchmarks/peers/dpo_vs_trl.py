@@ -1,7 +1,7 @@
 """DPO training throughput: this project's dpo stage (reference pass once + DeepSpeed job, length bucketing)
 vs TRL's DPOTrainer, same tiny model, data, batch size, max_length and one epoch, side by side, both in fp32.
 
-    .venv/bin/python benchmarks/dpo_vs_trl.py [--pairs 512] [--batch 8] [--max-len 160] [--repeats 2]
+    .venv/bin/python benchmarks/peers/dpo_vs_trl.py [--pairs 512] [--batch 8] [--max-len 160] [--repeats 2]
                                               [--trl-python /tmp/trl-venv/bin/python]
 
 TRL runs in its own process, by default from its own clean virtualenv (`--trl-python`; make one with

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU layer (a), for the lent GPU machine: the ppo roles in-process on CUDA in bf16 (no Ray, no vLLM:
-# tests/rlhf_core/ppo/test_gpu_roles.py), then the figures of benchmarks/gpu_roles.py (Qwen2-0.5B / 1.5B shapes,
-# random weights built there) and the CUDA-IPC weight hand-over (benchmarks/gpu_weight_sync.py). Under 13
+# tests/rlhf_core/ppo/test_gpu_roles.py), then the figures of benchmarks/gpu/gpu_roles.py (Qwen2-0.5B / 1.5B shapes,
+# random weights built there) and the CUDA-IPC weight hand-over (benchmarks/gpu/gpu_weight_sync.py). Under 13
 # minutes: tests capped at 330 s, the benchmarks at 230 s and 200 s.
 #
 # That machine's image has Python 3.12, torch + CUDA, transformers, peft, pyarrow, fsspec, pytest, and no
@@ -20,7 +20,7 @@
 # older); keep one version of each in .whl/. DeepSpeed's other needs (einops, msgpack, ninja, numpy,
 # packaging, psutil, py-cpuinfo, tqdm) are in the image. Then, through the device tool:
 #
-#   run(command="bash benchmarks/gpu_smoke.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu/gpu_smoke.sh", carry=[".whl"], timeout_s=600)
 #
 # Everything lands in $OUT (default /tmp/gpu-smoke): env.txt, pytest.log, gpu_roles.log, gpu_roles.json.
 #
@@ -56,10 +56,10 @@ timeout -k 10 330 python3 -m pytest -p no:cacheprovider -o addopts="" --import-m
   tests/rlhf_core/ppo/test_gpu_roles.py tests/rlhf_core/ppo/test_gpu_weight_sync.py -q 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout -k 10 230 python3 benchmarks/gpu_roles.py --device cuda 2>&1 | tee "$OUT/gpu_roles.log"
+timeout -k 10 230 python3 benchmarks/gpu/gpu_roles.py --device cuda 2>&1 | tee "$OUT/gpu_roles.log"
 bench_rc=${PIPESTATUS[0]}
 
-timeout -k 10 200 python3 benchmarks/gpu_weight_sync.py 2>&1 | tee "$OUT/gpu_weight_sync.log"
+timeout -k 10 200 python3 benchmarks/gpu/gpu_weight_sync.py 2>&1 | tee "$OUT/gpu_weight_sync.log"
 sync_rc=${PIPESTATUS[0]}
 
 echo "gpu_smoke: tests exit $tests_rc, benchmark exit $bench_rc, weight sync exit $sync_rc"

@@ -7,7 +7,7 @@ overlap gains only what one side leaves idle; on GPUs the engines and learners a
 core 1, the policy learner's one thread bound to core 0 (OMP_NUM_THREADS=1, OMP_PLACES, OMP_PROC_BIND through
 node_store.actor_env), the driver unbound; both modes run with the same split.
 
-    .venv/bin/python benchmarks/ppo_async.py [--steps 10] [--split]
+    .venv/bin/python benchmarks/parts/ppo_async.py [--steps 10] [--split]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Write + read 100k `scored` sample rows as parquet (this project's format, through rlhf_core.store) vs
 JSONL (OpenRLHF's format), on local disk and on a real S3 endpoint (moto_server on 127.0.0.1), in one run.
 
-    .venv/bin/python benchmarks/artifact_io.py [--rows 100000] [--repeats 3]
+    .venv/bin/python benchmarks/store/artifact_io.py [--rows 100000] [--repeats 3]
 
 Prints a markdown table (median of the repeats) with times, bytes and parquet/JSONL ratios.
 """
@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlhf_core.inputs import data  # noqa: E402
 from rlhf_core.demo import demo_task

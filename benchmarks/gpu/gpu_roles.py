@@ -20,8 +20,8 @@ the machine (nothing is downloaded; weights are random, so only speed and memory
 All roles share one process and one GPU here, so a role's peak memory includes the others' weights. The
 reward is the share of even token ids in a response: it only gives the advantages a spread.
 
-    python3 benchmarks/gpu_roles.py --device cuda                    (on the lent GPU: bash benchmarks/gpu_smoke.sh)
-    .venv/bin/python benchmarks/gpu_roles.py --device cpu --small    (CPU smoke run, tiny shapes, fp32)
+    python3 benchmarks/gpu/gpu_roles.py --device cuda                    (on the lent GPU: bash benchmarks/gpu/gpu_smoke.sh)
+    .venv/bin/python benchmarks/gpu/gpu_roles.py --device cpu --small    (CPU smoke run, tiny shapes, fp32)
 
 One JSON line per measurement on stdout; with OUT set, also $OUT/gpu_roles.json (a list, rewritten after each).
 """
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rlhf_core from this checkout (not installed there)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout (not installed there)
 
 QWEN2_0_5B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)
 QWEN2_1_5B = dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936)

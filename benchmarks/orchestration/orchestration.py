@@ -6,7 +6,7 @@
 2. the same flow again (everything committed: every stage skipped), after Prefect is up;
 3. the RAFT demo (configs/demo_raft.yaml) for its gold-reward table.
 
-    .venv/bin/python benchmarks/orchestration.py [--skip-raft]
+    .venv/bin/python benchmarks/orchestration/orchestration.py [--skip-raft]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

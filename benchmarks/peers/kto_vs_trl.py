@@ -1,11 +1,11 @@
 """KTO training throughput: this project's kto stage (reference pass once over the examples and their
 mismatched KL pairs + DeepSpeed job, length bucketing) vs TRL's KTOTrainer, same tiny model, data, batch
-size, max_length and one epoch, side by side, both in fp32. Structure and recipe of benchmarks/dpo_vs_trl.py.
+size, max_length and one epoch, side by side, both in fp32. Structure and recipe of benchmarks/peers/dpo_vs_trl.py.
 
-    .venv/bin/python benchmarks/kto_vs_trl.py [--pairs 512] [--batch 8] [--max-len 160] [--repeats 2]
+    .venv/bin/python benchmarks/peers/kto_vs_trl.py [--pairs 512] [--batch 8] [--max-len 160] [--repeats 2]
                                               [--trl-python /tmp/trl-venv/bin/python]
 
-TRL runs in its own process from its own clean virtualenv (`--trl-python`; see benchmarks/dpo_vs_trl.py for
+TRL runs in its own process from its own clean virtualenv (`--trl-python`; see benchmarks/peers/dpo_vs_trl.py for
 how to make one). Each peer at its best: TRL 1.16's KTOConfig defaults to bf16=True (about 6x slower autocast
 matmuls on CPUs without bf16 instructions) and gradient_checkpointing=True; bf16 is set False for every TRL
 variant, and a dtype check refuses to report a ratio unless both sides trained in float32 (TRL: a forward

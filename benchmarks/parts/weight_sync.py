@@ -7,7 +7,7 @@ The source is a Ray actor holding the model as a plain module and running the sa
 ZeRO-0 policy rank runs (layout / open_store / join / send / publish); the engines are the stage's HFRollout /
 VLLMRollout actors (one at a time). fp32 on CPU.
 
-    .venv/bin/python benchmarks/weight_sync.py [--sizes 100m,500m] [--reps 3] [--bucket-mb 256]
+    .venv/bin/python benchmarks/parts/weight_sync.py [--sizes 100m,500m] [--reps 3] [--bucket-mb 256]
 """
 from __future__ import annotations
 

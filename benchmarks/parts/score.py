@@ -3,7 +3,7 @@ position ids from the mask, last-token head) vs a bare forward loop (tokenizer p
 sequence-classification model's own pooling) over the same texts and batch size, tiny RM, fp32 CPU.
 Tokens/s = real (non-pad) tokens scored / wall seconds. Goal: >= 0.9x the bare loop.
 
-    .venv/bin/python benchmarks/score.py
+    .venv/bin/python benchmarks/parts/score.py
 """
 from __future__ import annotations
 

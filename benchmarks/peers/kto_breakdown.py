@@ -1,4 +1,4 @@
-"""Where a KTO epoch's time goes, and so how far any saving could take benchmarks/kto_vs_trl.py's ratio.
+"""Where a KTO epoch's time goes, and so how far any saving could take benchmarks/peers/kto_vs_trl.py's ratio.
 
 Same tiny model, data (the lengthened demo pairs unpaired into KTO rows), batch 8, max_len 160 and length
 bucketing as kto_vs_trl.py. One epoch of rlhf_core.train.methods.kto.step in a bare PyTorch loop (forward,
@@ -12,7 +12,7 @@ backward, clip, fused AdamW: the DeepSpeed job minus the engine), in three forms
 and the reference pass (rlhf_core.train.reference.pair_logps, one no-gradient forward per batch) over
 (example, KL pair) rows sharing the prompt, as the kto stage runs it, against the examples alone.
 
-    .venv/bin/python benchmarks/kto_breakdown.py [--pairs 512] [--repeats 2]
+    .venv/bin/python benchmarks/peers/kto_breakdown.py [--pairs 512] [--repeats 2]
 """
 from __future__ import annotations
 

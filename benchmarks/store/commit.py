@@ -4,7 +4,7 @@ folder, in one run. Goal (issues 9, 25): versioning and bookkeeping cost <= 10%.
 in place on a bucket with S3 versioning (its manifest names the objects' version ids: nothing copied) and by a
 server-side copy on an unversioned bucket; both are measured.
 
-    .venv/bin/python benchmarks/commit.py [--mb 1024] [--shards 4] [--repeats 2]
+    .venv/bin/python benchmarks/store/commit.py [--mb 1024] [--shards 4] [--repeats 2]
 
 Rows: first commit (empty prefix) + fetch; a re-commit with a changed config (the previous version kept first)
 + fetch, on a versioned and an unversioned bucket; s3fs put + get. Prints a markdown table (median of the
@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.artifact_io import start_moto  # noqa: E402
 from rlhf_core.inputs import model_inputs  # noqa: E402

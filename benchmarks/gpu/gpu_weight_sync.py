@@ -8,8 +8,8 @@ in bf16 (built on the machine, nothing downloaded) and hands each bucket's IPC h
 parameters (receive_ipc) and acks. Each timed sync starts after the source changed its weights; after the last one
 the engine's weights are compared with the source's, bit for bit.
 
-    python3 benchmarks/gpu_weight_sync.py                  (on the lent GPU: benchmarks/gpu_smoke.sh runs it)
-    python3 benchmarks/gpu_weight_sync.py --shape small    (smoke run; still needs CUDA)
+    python3 benchmarks/gpu/gpu_weight_sync.py                  (on the lent GPU: benchmarks/gpu/gpu_smoke.sh runs it)
+    python3 benchmarks/gpu/gpu_weight_sync.py --shape small    (smoke run; still needs CUDA)
 
 One JSON line per shape on stdout; with OUT set, also $OUT/gpu_weight_sync.json.
 """
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rlhf_core from this checkout (not installed there)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout (not installed there)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_roles import QWEN2_0_5B, QWEN2_1_5B, SMALL, qwen2, random_model  # noqa: E402

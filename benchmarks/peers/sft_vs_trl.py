@@ -3,10 +3,10 @@ per-sample positions, no padding) vs TRL's SFTTrainer with packing=True (its def
 bins of max_length tokens, padding-free, per-sample position ids), same model, data, max_length and one
 epoch, side by side, both in fp32, plus a plain PyTorch loop over our batches (what the engine costs).
 
-    .venv/bin/python benchmarks/sft_vs_trl.py [--pairs 512] [--batch 8] [--max-len 160] [--repeats 2]
+    .venv/bin/python benchmarks/peers/sft_vs_trl.py [--pairs 512] [--batch 8] [--max-len 160] [--repeats 2]
                                               [--model tiny|57m] [--trl-python /tmp/trl-venv/bin/python]
 
-TRL runs in its own process from its own virtualenv (benchmarks/dpo_vs_trl.py says how to make one), with
+TRL runs in its own process from its own virtualenv (benchmarks/peers/dpo_vs_trl.py says how to make one), with
 bf16=False (TRL 1.16's default bf16=True runs CPU autocast, ~6x slower here) and a dtype check on both sides.
 TRL variants: packing with its other defaults (gradient checkpointing on), and packing with gradient
 checkpointing off (its best on CPU, where memory is not the limit).
