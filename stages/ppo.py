@@ -215,6 +215,10 @@ class Config(StageConfig):
     ray_address: str | None = Field(None, description="HEAD:6379 joins that Ray cluster; http://HEAD:8265 runs the "
                                        "stage there as a Ray Job (its job API); default: a local Ray for the stage.")
     ray_timeout_s: float = Field(120, gt=0, description="Seconds to wait for the placement group.")
+    role_timeout_s: float = Field(3600, gt=0, description="Seconds the driver waits for any role's call (a rollout, "
+                                  "a forward, a training step, a weight sync, a sleep or wake-up, a checkpoint) "
+                                  "before it fails naming the role and the phase, instead of hanging on a role that "
+                                  "never answers.")
     save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
     max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept.")
     resume: bool = Field(True, description="Continue from the latest checkpoint; false deletes them.")
@@ -222,7 +226,7 @@ class Config(StageConfig):
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-        "ray_address", "ray_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
+        "ray_address", "ray_timeout_s", "role_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
@@ -295,6 +299,11 @@ class Config(StageConfig):
     @model_validator(mode="after")
     def _engines(self):
         """Rollout engines and the weight path, checked before Ray starts."""
+        if self.async_train and self.vllm_enable_sleep:  # OpenRLHF: "Async RLHF is not supported with --vllm.enable_sleep"
+            raise ValueError("async_train cannot be used with vllm_enable_sleep: under async_train the engines "
+                             "generate the next batch while the learners train, so they have no time to sleep in, "
+                             "and a sleeping vLLM queues the next generate while the wake_up behind it never runs "
+                             "(a silent hang)")
         cuda = torch.cuda.is_available()
         if self.vllm_enable_sleep and not cuda:
             raise ValueError("vllm_enable_sleep: vLLM's sleep mode releases CUDA memory; this host has no CUDA device "
@@ -315,10 +324,12 @@ class Config(StageConfig):
             if why:
                 raise ValueError(f"vllm_num_engines 0 (policy rank 0 generates the rollouts with its own model) "
                                  f"cannot be used with {'; '.join(why)}")
-        elif self.colocate_all_models and world % (self.vllm_num_engines * tp):
-            raise ValueError(f"vllm_tensor_parallel_size {tp} x vllm_num_engines {self.vllm_num_engines} does not "
-                             f"divide the {world} policy GPUs that the engines share with colocate_all_models (one "
-                             f"TP rank per GPU)")
+        elif self.colocate_all_models and world != self.vllm_num_engines * tp:  # OpenRLHF's rule
+            raise ValueError(f"colocate_all_models: vllm_num_engines {self.vllm_num_engines} x "
+                             f"vllm_tensor_parallel_size {tp} must equal the {world} policy ranks (actor_num_nodes x "
+                             f"actor_num_gpus_per_node), one engine TP rank on each policy rank's GPU: a rank without "
+                             f"one has nobody to hand its weights to (a CUDA IPC handle nobody opens leaks its "
+                             f"buffer) and one with two runs two engines on one GPU")
         if tp > 1 and cuda and self.weight_sync_backend != "object_store":
             raise ValueError(f"vllm_tensor_parallel_size {tp}: the engine's TP workers are Ray actors of vLLM's Ray "
                              f"executor, which the {self.weight_sync_backend} weight group does not reach (the engine "
@@ -338,6 +349,15 @@ class Config(StageConfig):
         from rlhf_core.ppo.placement import bundle_plan, check_resources
 
         cuda = torch.cuda.is_available()
+        if self.deepspeed_enable_sleep and self.vllm_num_engines == 0:
+            raise ValueError("deepspeed_enable_sleep cannot be used with vllm_num_engines 0: the learners sleep "
+                             "(their DeepSpeed states offloaded) to give the GPU to the rollout engines while they "
+                             "generate, and with no engine policy rank 0 generates with its own, offloaded, "
+                             "parameters")
+        if self.deepspeed_enable_sleep and self.adam_offload:  # OpenRLHF's offload_deepspeed_states skips it too
+            raise ValueError("deepspeed_enable_sleep cannot be used with adam_offload: the optimizer states already "
+                             "live in host memory (ZeRO-Offload), and DeepSpeed's reload_states after a sleep would "
+                             "move those fp32 masters and moments onto the GPU. Drop deepspeed_enable_sleep")
         if self.deepspeed_enable_sleep and self.async_train:
             raise ValueError("deepspeed_enable_sleep cannot be used with async_train: the learners sleep while the "
                              "engines generate, and under async_train they train during the generation")

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+
+from rlhf_core.ppo.placement import RoleError
 
 
 class RolloutFeed:
@@ -17,6 +20,9 @@ class RolloutFeed:
     is always exactly q updates old (OpenRLHF's "at most q" is a race between the two threads), and a run,
     resumed or not, trains on the same batches. Seeds depend on the step only.
 
+    Every wait is bounded by role_timeout_s: a rollout not done by then (an engine that never answers, a
+    reward server that hangs) raises RoleError naming the phase and the step instead of hanging the driver.
+
     Resume: at a checkpoint after step s (weights version s), rollouts s .. s+q-1 are generated and not yet
     trained on, from versions older than the checkpoint's: `pending(s)` gives them to save with the checkpoint,
     and a resumed feed takes them back (`restored`) instead of regenerating them. Rollout s+q (version s, maybe
@@ -27,6 +33,7 @@ class RolloutFeed:
         """`produce(step, idx)`: the experience of one step (`rollout`); `steps`: (step, prompt indices) in order,
         from the step the run begins at, `start`; `restored`: {step: experience} saved with the checkpoint."""
         self.cfg, self.produce, self.steps = cfg, produce, steps
+        self.timeout = cfg.role_timeout_s
         self.q, self.version = cfg.async_queue_size, start
         self.done = dict(restored or {})  # step -> experience, generated and not yet taken
         self.error: BaseException | None = None
@@ -57,17 +64,32 @@ class RolloutFeed:
                 self.cond.notify_all()
 
     def _wait(self, step: int) -> None:
+        deadline = time.monotonic() + self.timeout
         with self.cond:
             while step not in self.done and self.error is None:
+                if time.monotonic() > deadline:
+                    raise self._late(step)
                 self.cond.wait(0.2)
             if self.error is not None and step not in self.done:
                 raise self.error
+
+    def _late(self, step: int) -> RoleError:
+        return RoleError(f"the rollout engines did not finish the rollout of step {step + 1} within "
+                         f"{self.timeout:g} s while generate (role_timeout_s): a hung engine or reward source")
 
     def get(self, step: int, idx: list[int]) -> tuple[dict, float]:
         """Step's experience and the seconds the driver waited for them (async: only what training did not hide)."""
         t0 = time.perf_counter()
         if self.thread is None:
-            out = self.done.pop(step) if step in self.done else self.produce(step, idx)
+            if step in self.done:
+                return self.done.pop(step), time.perf_counter() - t0
+            pool = ThreadPoolExecutor(1, thread_name_prefix="ppo-rollout")  # bounded: the driver never hangs on it
+            try:
+                out = pool.submit(self.produce, step, idx).result(timeout=self.timeout)
+            except FutureTimeout:
+                raise self._late(step) from None
+            finally:
+                pool.shutdown(wait=False)
             return out, time.perf_counter() - t0
         self._wait(step)
         with self.cond:

@@ -57,16 +57,14 @@ def _split(batch: dict, parts: int) -> list[dict]:
     return [{k: v[i * n:(i + 1) * n] for k, v in batch.items()} for i in range(parts)]
 
 
-def _forward(group: list, batch: dict) -> torch.Tensor:
-    import ray
+def _forward(roles: Roles, group: list, batch: dict, what: str) -> torch.Tensor:
+    return torch.cat(roles.wait([a.forward.remote(s) for a, s in zip(group, _split(batch, len(group)))], group,
+                                f"train ({what})"))
 
-    return torch.cat(ray.get([a.forward.remote(s) for a, s in zip(group, _split(batch, len(group)))]))
 
-
-def _train(group: list, batch: dict, coef: float) -> dict:
-    import ray
-
-    parts = ray.get([a.train.remote(s, coef) for a, s in zip(group, _split(batch, len(group)))])
+def _train(roles: Roles, group: list, batch: dict, coef: float) -> dict:
+    parts = roles.wait([a.train.remote(s, coef) for a, s in zip(group, _split(batch, len(group)))], group,
+                       "train (updates)")
     out = {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}  # every rank's metrics, averaged
     for k in out:
         if k.endswith("_tokens_per_s"):
@@ -80,13 +78,12 @@ def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: l
                 finished: list[bool] | None = None):
     """(rewards, scores, extra_logs) per sample from the run's reward source; errors name the source and batch.
     `finished` False: the response was cut by generate_max_len (the reward model then scores it without EOS)."""
-    import ray
-
     from rlhf_core.rollout.rewards import RewardError, check_finite, combine_rewards, compute_rewards
 
     try:
         if roles.reward is not None:  # every reward model scores; several combine as reward_models_agg says
-            each = ray.get(roles.reward.score_each.remote(list(zip(prompts, responses)), finished))
+            each = roles.wait([roles.reward.score_each.remote(list(zip(prompts, responses)), finished)],
+                              [roles.reward], f"generate (scoring {where})")[0]
             out = combine_rewards(each, cfg.reward_models_agg)
             check_finite(out, f"reward model {reward_spec.model}")
             per_rm = {f"rm{i}": sum(e) / len(e) for i, e in enumerate(each)} if len(each) > 1 else {}
@@ -246,14 +243,15 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
                       max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec)
         if pretrain:
-            ray.get([a.set_pretrain.remote(pretrain) for a in roles.policy])
+            roles.wait([a.set_pretrain.remote(pretrain) for a in roles.policy], roles.policy, "setting up (PTX rows)")
         # the newest checkpoint whose every sha256 verifies, each rank checking the files it downloads into its
         # own node's cache; a corrupt one is logged and passed over before any rank loads
         meta, local = checkpoints.resume_point(ckpt_uri, fingerprint, work / "resume", storage_options,
                                                lambda m: _fetch_checkpoint(roles, m, work / "resume", storage_options))
         restored = {}
         if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
-            ray.get([a.load_checkpoint.remote(meta) for a in roles.policy + roles.critic])
+            roles.wait([a.load_checkpoint.remote(meta) for a in roles.policy + roles.critic], roles.policy + roles.critic,
+                       "resuming (loading the checkpoint)")
             state = State(**json.loads((local / "state.json").read_text()))
             if writer is not None and state.hf_files:  # the HF checkpoints uploaded before the interruption
                 writer.add_files(state.hf_files)
@@ -297,7 +295,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             # 3. reference, critic and policy forward passes on the same tokens
             t0 = time.perf_counter()
             roles.phase("train")
-            ref_logp = _forward(roles.reference, batch) if use_ref else None  # its ranks (placement.Roles)
+            ref_logp = _forward(roles, roles.reference, batch, "reference log-probs") if use_ref else None  # its ranks (placement.Roles)
             t_ref = time.perf_counter() - t0
             # On-policy, one optimizer step per rollout and no KL term: the learners' own first forward runs on
             # the old weights (no update has happened yet), so they take old_logp = logp.detach() there and the
@@ -305,9 +303,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             actor_trained = step >= cfg.freezing_actor_steps
             reuse_old = actor_trained and not use_ref and cfg.max_epochs == 1 and cfg.train_batch_size == R * n
             t0 = time.perf_counter()
-            old_logp = None if reuse_old else _forward(roles.policy, batch)
+            old_logp = None if reuse_old else _forward(roles, roles.policy, batch, "old log-probs")
             t_old = time.perf_counter() - t0
-            values = _forward(roles.critic, batch) if roles.critic else None
+            values = _forward(roles, roles.critic, batch, "values") if roles.critic else None
             mask = batch["mask"]
             kl = rl_math.kl_estimate(old_logp, ref_logp, cfg.kl_estimator) * mask if use_ref else torch.zeros_like(mask)  # (B, T)
             reward_kl = 0.0 if cfg.use_kl_loss else kl_ctl.value
@@ -326,9 +324,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             t0 = time.perf_counter()
             metrics = {}
             if roles.critic:
-                metrics.update(_train(roles.critic, exp, 0.0))
+                metrics.update(_train(roles, roles.critic, exp, 0.0))
             if actor_trained:
-                metrics.update(_train(roles.policy, exp, kl_ctl.value))
+                metrics.update(_train(roles, roles.policy, exp, kl_ctl.value))
             t_train = time.perf_counter() - t0
             roles.phase("sync")
             feed.before_sync(step)  # async: the rollout that needs the weights before this update is done
@@ -387,11 +385,10 @@ def _checkpoint(roles: Roles, state: State, work: Path, ckpt_uri: str, fingerpri
                 storage_options: dict | None, pending: dict | None = None) -> None:
     """Every learner rank uploads its own files (actor/, critic/); the driver its own (state.json, and the
     rollouts generated ahead and not yet trained on: rollouts.pt), then commits the marker naming them all."""
-    import ray
-
     tag = f"step-{state.step}"
-    files = [f for part in ray.get([a.save_checkpoint.remote(ckpt_uri, tag) for a in roles.policy + roles.critic])
-             for f in part]
+    group = roles.policy + roles.critic
+    files = [f for part in roles.wait([a.save_checkpoint.remote(ckpt_uri, tag) for a in group], group,
+                                      f"saving checkpoint {tag}") for f in part]
     local = work / "ckpt"
     shutil.rmtree(local, ignore_errors=True)
     local.mkdir(parents=True)
@@ -408,11 +405,11 @@ def _checkpoint(roles: Roles, state: State, work: Path, ckpt_uri: str, fingerpri
 def _fetch_checkpoint(roles: Roles, meta: dict, local: Path, storage_options: dict | None) -> Path:
     """The driver's files of checkpoint `meta` into `local`; every learner rank's own into its node's cache. Each
     file's sha256 is checked where it lands; a corrupt one raises CheckpointError (naming it) before any loads."""
-    import ray
-
     mine = [f for f in meta["files"] if f["path"].split("/", 1)[0] not in ("actor", "critic")]
     dest = checkpoints.download({**meta, "files": mine}, local, storage_options)
-    errors = [e for e in ray.get([a.load_checkpoint.remote(meta, fetch=True) for a in roles.policy + roles.critic]) if e]
+    group = roles.policy + roles.critic
+    errors = [e for e in roles.wait([a.load_checkpoint.remote(meta, fetch=True) for a in group], group,
+                                    f"fetching checkpoint {meta['tag']}") if e]
     if errors:
         raise checkpoints.CheckpointError(errors[0], meta["tag"])
     return dest
@@ -421,11 +418,10 @@ def _fetch_checkpoint(roles: Roles, meta: dict, local: Path, storage_options: di
 def _save_hf(roles: Roles, writer, sub: str) -> list[dict]:
     """save_hf_ckpt: the policy now, as an HF folder under the artifact's `sub` (the final model's path:
     node_store.save_model); its files, recorded in the writer."""
-    import ray
-
-    ray.get([a.save_model.remote(writer.uri, sub) for a in roles.policy])
+    roles.wait([a.save_model.remote(writer.uri, sub) for a in roles.policy], roles.policy, f"saving {sub}")
     writer.note({sub.split("/", 1)[0]})
-    files = ray.get(roles.policy[0].save_model.remote(writer.uri, sub, upload=True))
+    files = roles.wait([roles.policy[0].save_model.remote(writer.uri, sub, upload=True)], roles.policy[:1],
+                       f"uploading {sub}")[0]
     writer.add_files(files)
     return files
 
@@ -433,14 +429,13 @@ def _save_hf(roles: Roles, writer, sub: str) -> list[dict]:
 def _save_model(roles: Roles, writer, save_critic: bool) -> None:
     """The trained policy (and critic under critic/) uploaded by rank 0 of its group under the writer's prefix,
     names noted in the artifact's journal before the upload; the files recorded in the writer for its commit."""
-    import ray
-
     groups = [("", roles.policy)] + ([("critic", roles.critic)] if roles.critic and save_critic else [])
     names = set()
     for sub, group in groups:
-        rel = ray.get([a.save_model.remote(writer.uri, sub) for a in group])[0]
+        rel = roles.wait([a.save_model.remote(writer.uri, sub) for a in group], group, "saving the model")[0]
         names |= {sub} if sub else {n.split("/", 1)[0] for n in rel}
     writer.note(names)
     for sub, group in groups:
-        writer.add_files(ray.get(group[0].save_model.remote(writer.uri, sub, upload=True)))
+        writer.add_files(roles.wait([group[0].save_model.remote(writer.uri, sub, upload=True)], group[:1],
+                                    "uploading the model")[0])
 

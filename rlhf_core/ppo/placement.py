@@ -2,7 +2,51 @@
 colocation flags say (bundle_plan), and the actors placed on it (Roles)."""
 from __future__ import annotations
 
+import time
+
 import torch
+
+
+class RoleError(RuntimeError):
+    """A role's call failed or did not answer within role_timeout_s; the message names the roles and the phase."""
+
+
+def wait_all(refs: list, names: list[str], phase: str, timeout_s: float, error=RoleError) -> list:
+    """ray.get of every ref (`names[i]` the role behind refs[i]), bounded: a call not answered within `timeout_s`
+    raises `error` naming the roles still silent and the phase, never a silent hang (a sleeping vLLM that queues
+    a generate, a peer stuck in a collective). The first failure waits a moment for the others to settle, then
+    raises one error naming every role that failed, rollout engines first (a dead engine is the cause, a
+    sender's broken connection the consequence)."""
+    import ray
+
+    pending, failed, deadline = list(refs), [], time.monotonic() + timeout_s
+    while pending and not failed:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        failed += [r for r in done if _error(r)]
+    if failed:
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=2.0)
+        failed += [r for r in done if _error(r)]
+        errs = "; ".join(f"{names[refs.index(r)]}: {_error(r)}" for r in failed)
+        failed.sort(key=lambda r: not names[refs.index(r)].startswith("rollout"))
+        raise error(f"{names[refs.index(failed[0])]} failed while {phase} ({errs})")
+    if pending:
+        silent = [names[refs.index(r)] for r in pending]
+        raise error(f"{', '.join(silent)} did not answer within {timeout_s:g} s while {phase} (role_timeout_s): "
+                    f"a hung role, or one waiting for a peer that never came")
+    return ray.get(refs)
+
+
+def _error(ref) -> str | None:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+        return None
+    except Exception as e:  # RayActorError (the actor died), RayTaskError (it raised)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
 
 
 def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
@@ -77,6 +121,7 @@ class Roles:
         cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
         self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
         self.cfg, self.hp, self.asleep = cfg, hp, set()
+        self.timeout = cfg.role_timeout_s
         n_bundles = 1 + max(b for _, b in self.plan)
         share = [sum(b == i for _, b in self.plan) for i in range(n_bundles)]
         cpus = ray.cluster_resources().get("CPU", 1)
@@ -126,15 +171,20 @@ class Roles:
                              for j in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *(self.reference or []), *([self.reward] if self.reward else []),
                     *self.rollouts]
-        setups = []
+        self._names = [*(f"policy{r}" for r in range(world)), *(f"critic{r}" for r in range(len(self.critic))),
+                       *(n for n, _ in self.plan if n.startswith("reference")), *(["reward"] if self.reward else []),
+                       *(f"rollout{j}" for j in range(len(self.rollouts)))]
+        setups, who = [], []
         for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
             if group:
                 addr, port = ray.get(group[0].node_ip.remote()), free_port()
                 setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
+                who += group
         if self.reference and rworld > 1:  # the ZeRO-3 reference ranks join their own group
             addr, port = ray.get(self.reference[0].node_ip.remote()), free_port()
             setups += [a.setup.remote(addr, port) for a in self.reference]
-        ray.get(setups)
+            who += self.reference
+        self.wait(setups, who, "setting up")
         if cfg.vllm_num_engines == 0:
             self.rollouts = self.policy[:1]
         self.weights = weight_sync.connect(self, cfg)
@@ -152,10 +202,19 @@ class Roles:
         engines = self.rollouts if self.cfg.vllm_enable_sleep else []
         to_sleep = learners if name == "generate" else engines if name == "train" else []
         to_wake = learners if name == "train" else engines if name in ("sync", "generate") else []
-        calls = [a.sleep.remote() for a in to_sleep if a not in self.asleep]
-        calls += [a.wake_up.remote() for a in to_wake if a in self.asleep]
+        sleeping = [a for a in to_sleep if a not in self.asleep]
+        waking = [a for a in to_wake if a in self.asleep]
+        calls = [a.sleep.remote() for a in sleeping] + [a.wake_up.remote() for a in waking]
         self.asleep = (self.asleep | set(to_sleep)) - set(to_wake)
-        ray.get(calls)
+        self.wait(calls, sleeping + waking, f"entering {name}")
+
+    def name(self, actor) -> str:
+        """The role an actor plays ("policy0", "reward", "rollout1", ...)."""
+        return next(n for n, a in zip(self._names, self.all) if a is actor)
+
+    def wait(self, refs: list, actors: list, phase: str, error=RoleError) -> list:
+        """wait_all of `refs` (refs[i] a call of actors[i]) within role_timeout_s, errors naming roles and phase."""
+        return wait_all(refs, [self.name(a) for a in actors], phase, self.timeout, error)
 
     def peak_memory(self) -> dict:
         """Peak memory (GB) of the inference roles: the reference, the reward model, the fullest rollout engine

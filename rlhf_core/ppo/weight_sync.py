@@ -28,7 +28,7 @@ import torch
 # dtypes numpy has no type for travel as the same-width integers, viewed back on arrival
 _NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 # seconds one collective of the weight group may wait for a peer: a hung peer ends the run after this; a dead one
-# (its actor gone) is seen by the driver through Ray at once (CollectiveSync._wait)
+# (its actor gone) is seen by the driver through Ray at once, a silent one after role_timeout_s (CollectiveSync._wait)
 GROUP_TIMEOUT_S = 300
 
 
@@ -91,33 +91,12 @@ class CollectiveSync:
         return time.perf_counter() - t0
 
     def _wait(self, refs: list, names: list[str], what: str) -> list:
-        """ray.get of every ref; the first failure waits a moment for the others to settle, then raises one error
-        naming every role that failed (a dead engine fails its own call and its peers' broadcasts)."""
-        import ray
+        """placement.wait_all within role_timeout_s: one WeightSyncError naming every role that failed (engines
+        first) or did not answer."""
+        from rlhf_core.ppo.placement import wait_all
 
-        pending, failed = list(refs), []
-        while pending and not failed:
-            done, pending = ray.wait(pending, num_returns=1)
-            failed += [r for r in done if _error(r)]
-        if failed:
-            done, _ = ray.wait(pending, num_returns=len(pending), timeout=2.0)
-            failed += [r for r in done if _error(r)]
-            errs = "; ".join(f"{names[refs.index(r)]}: {_error(r)}" for r in failed)
-            # the engines first: a dead engine is the cause, the sender's broken connection the consequence
-            failed.sort(key=lambda r: not names[refs.index(r)].startswith("rollout"))
-            raise WeightSyncError(f"{self.method} weight sync: {names[refs.index(failed[0])]} failed while "
-                                  f"{what} ({errs})")
-        return ray.get(refs)
-
-
-def _error(ref) -> str | None:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-        return None
-    except Exception as e:  # RayActorError (the actor died), RayTaskError (it raised)
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        return wait_all(refs, names, what, self.roles.timeout,
+                        lambda msg: WeightSyncError(f"{self.method} weight sync: {msg}"))
 
 
 class ObjectStoreSync:
@@ -133,11 +112,12 @@ class ObjectStoreSync:
 
     def sync(self) -> float:
         """Seconds."""
-        import ray
-
         t0 = time.perf_counter()
-        refs = [r for part in ray.get([a.publish_weights.remote() for a in self.roles.policy]) for r in part]
-        ray.get([e.load_weights.remote(refs) for e in self.roles.rollouts])
+        policy, engines = self.roles.policy, self.roles.rollouts
+        refs = [r for part in self.roles.wait([a.publish_weights.remote() for a in policy], policy,
+                                              "an object-store weight sync (publishing)", WeightSyncError) for r in part]
+        self.roles.wait([e.load_weights.remote(refs) for e in engines], engines,
+                        "an object-store weight sync (loading)", WeightSyncError)
         return time.perf_counter() - t0
 
 
@@ -255,16 +235,30 @@ def send(learner) -> int:
 
 def send_ipc(learner, engines: list) -> int:
     """cuda_ipc: every rank walks the buckets (ZeRO-3: gathering each in turn) and hands each, by CUDA IPC
-    handle, to the engines on its own GPU, waiting until they copied it (the buffer is freed after). Bytes."""
+    handle, to the engines on its own GPU, waiting until they copied it (the buffer is freed after). Bytes.
+    A rank with no engine on its GPU only takes part in the gathers: a handle nobody opens is never released
+    by torch's IPC refcount, so making one would leak a model's worth of GPU memory per sync."""
     import ray
 
+    if not engines:
+        for _ in _walk(learner):  # ZeRO-3: the gathers are collective, every rank takes part
+            pass
+        return 0
     sent = 0
     for i, handle, nbytes in ipc_handles(learner):
-        if engines:
-            ray.get([e.receive_ipc.remote(i, handle) for e in engines])
-            sent += nbytes
+        ray.get([e.receive_ipc.remote(i, handle) for e in engines])
+        sent += nbytes
     ray.get([e.receive_ipc.remote(None) for e in engines])  # the end of this sync
     return sent
+
+
+def _walk(learner):
+    """(bucket index, its parameters, full) one bucket gathered at a time (ZeRO-3: collective on every rank)."""
+    named = _named_params(learner)
+    for i, bucket in enumerate(learner._ws_layout):
+        params = [named[n] for n, _, _ in bucket]
+        with _gathered(learner, params):
+            yield i, params
 
 
 def ipc_handles(learner):
@@ -272,13 +266,10 @@ def ipc_handles(learner):
     buffer lives until the next one is asked for, so the receiver copies it before asking."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    named = _named_params(learner)
-    for i, bucket in enumerate(learner._ws_layout):
-        params = [named[n] for n, _, _ in bucket]
-        with _gathered(learner, params):
-            flat = torch.cat([p.data.reshape(-1) for p in params])  # (bucket elements,)
-            torch.cuda.synchronize()  # the copy is done before another process reads it
-            yield i, reduce_tensor(flat), flat.numel() * flat.element_size()
+    for i, params in _walk(learner):
+        flat = torch.cat([p.data.reshape(-1) for p in params])  # (bucket elements,)
+        torch.cuda.synchronize()  # the copy is done before another process reads it
+        yield i, reduce_tensor(flat), flat.numel() * flat.element_size()
 
 
 def publish(learner) -> list:

@@ -66,6 +66,16 @@ BASE = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r
     (dict(adam_offload=True, zero_stage=0), "adam_offload moves ZeRO's optimizer states .* zero_stage >= 1"),
     (dict(train_max_tokens_per_gpu=64), "train_max_tokens_per_gpu bound the micro-batches of use_dynamic_batch"),
     (dict(vllm_num_engines=300), r"placement: 302 bundles \(policy 1, reference 1, rollout 300; .*free: 0 GPUs"),
+    # issue 35 item 4: accepted before, each hangs or crashes on a GPU cluster
+    (dict(deepspeed_enable_sleep=True, vllm_num_engines=0),
+     "deepspeed_enable_sleep cannot be used with vllm_num_engines 0: .* generates with its own, offloaded, parameters"),
+    (dict(deepspeed_enable_sleep=True, adam_offload=True),
+     "deepspeed_enable_sleep cannot be used with adam_offload: .* reload_states .* onto the GPU"),
+    (dict(async_train=True, vllm_enable_sleep=True, rollout_backend="vllm"),
+     r"async_train cannot be used with vllm_enable_sleep: .* \(a silent hang\)"),
+    (dict(colocate_all_models=True, actor_num_gpus_per_node=8, vllm_num_engines=4, rollout_backend="vllm",
+          train_batch_size=16, micro_train_batch_size=2),
+     r"colocate_all_models: vllm_num_engines 4 x vllm_tensor_parallel_size 1 must equal the 8 policy ranks"),
 ])
 def test_learner_settings_the_host_cannot_run_are_refused_before_ray(over, message):
     with pytest.raises(ConfigError, match=message):
@@ -81,9 +91,10 @@ def test_the_gpu_tests_and_benchmark_give_the_learner_every_setting_the_stage_do
     from types import SimpleNamespace
 
     from rlhf_core.ppo import loop
-    from tests.rlhf_core import test_gpu_roles
+    from tests.rlhf_core.ppo import test_gpu_roles
 
-    spec = importlib.util.spec_from_file_location("gpu_roles_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_roles.py")
+    spec = importlib.util.spec_from_file_location("gpu_roles_bench", Path(__file__).resolve().parents[3] / "benchmarks"
+                                                  / "gpu" / "gpu_roles.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     defaults = SimpleNamespace(**{k: f.get_default(call_default_factory=True) for k, f in ppo.Config.model_fields.items()})

@@ -446,3 +446,17 @@ def test_value_head_format_critic_loads_and_values_are_the_head_by_hand(tiny, le
     with torch.no_grad():
         h = body(input_ids=b["ids"], attention_mask=b["attn"]).last_hidden_state  # (B, L, H)
     assert torch.allclose(got, (h @ w.T).squeeze(-1)[:, :-1], atol=1e-5)
+
+
+def test_cuda_ipc_send_on_a_rank_without_engines_makes_no_handle(tiny, learner_env):
+    """issue 35 item 4: a policy rank with no engine on its GPU took part in the sync by making a CUDA IPC handle of
+    every bucket, which nobody opened (torch keeps such a block until a consumer releases it: one model leaked per
+    sync). Now it only walks the gathers: on this CPU host it returns 0 bytes without touching CUDA (making a handle
+    needs torch.cuda, which raises here)."""
+    from rlhf_core.ppo import weight_sync
+
+    learner = make_learner("policy", tiny.policy_dir, settings())
+    assert len(weight_sync.layout(learner, 2 ** 16)) > 1
+    assert weight_sync.send_ipc(learner, []) == 0
+    with pytest.raises((AssertionError, RuntimeError)):  # a handle is CUDA's: this host cannot make one
+        next(weight_sync.ipc_handles(learner))

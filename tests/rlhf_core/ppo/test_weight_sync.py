@@ -76,7 +76,7 @@ def run_roles(cfg: ppo.Config, policy_dir):
 
 
 def train_and_sync(roles, step: int) -> float:
-    loop._train(roles.policy, experience(step), 0.0)
+    loop._train(roles, roles.policy, experience(step), 0.0)
     return roles.weights.sync()
 
 
@@ -149,7 +149,7 @@ def test_collective_and_object_store_sync_hf_zero2(tiny):
     (dict(enforce_eager=True, enable_prefix_caching=True), "enable_prefix_caching, enforce_eager: settings of vLLM engines, and rollout_backend is hf"),
     (dict(vllm_gpu_memory_utilization=0.5), "vllm_gpu_memory_utilization: settings of vLLM engines"),
     (dict(rollout_backend="vllm", colocate_all_models=True, vllm_num_engines=3, actor_num_gpus_per_node=2),
-     "vllm_tensor_parallel_size 1 x vllm_num_engines 3 does not divide the 2 policy GPUs"),
+     "colocate_all_models: vllm_num_engines 3 x vllm_tensor_parallel_size 1 must equal the 2 policy ranks"),
     (dict(rollout_backend="vllm", vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size 2: on this host \\(no CUDA device\\)"),
     (dict(rollout_backend="vllm", vllm_enable_sleep=True), "vllm_enable_sleep: .*no CUDA device"),
 ])
