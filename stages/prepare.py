@@ -8,7 +8,8 @@ csft filter, take as if generated (OpenRLHF's csft example scores the `chosen` c
 (for OpenRLHF's message-list format: `input_key=chosen apply_chat_template=true tokenizer_uri=...`; the last
 message is the response).
 
-Reads json / jsonl / csv / parquet files or `save_to_disk` folders on any fsspec URI, comma-separated with
+Reads json / jsonl / csv / parquet files or `save_to_disk` folders on any fsspec URI, or hub datasets
+(`org/name`, `org/name@dir`, `hf://datasets/org/name@rev/path`: docs/models.md), comma-separated with
 mixing probabilities (`--prompt_data a,b --prompt_data_probs 0.7,0.3`), formats rows with OpenRLHF's keys
 (`input_key`, `output_key`, `label_key`, `prompt_key`, `chosen_key`, `rejected_key`) and
 `apply_chat_template` / `input_template`, checks every row, and commits parquet. Every later stage then
@@ -56,7 +57,7 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.apply_chat_template and not cfg.tokenizer_uri:
         raise ValueError("apply_chat_template needs tokenizer_uri (a model artifact with a chat template)")
     sources = [s.strip() for s in cfg.data.split(",") if s.strip()]
-    inputs = {f"source{i}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(sources)}
+    inputs = {f"source{i}": data.source_manifest(s, cfg.storage_options) for i, s in enumerate(sources)}
     if cfg.tokenizer_uri:
         inputs["tokenizer"] = model_inputs.model_manifest(cfg.tokenizer_uri, cfg.storage_options)
     w = store.ArtifactWriter(cfg.output_uri, "prepare", cfg.semantic(), inputs, cfg.storage_options)

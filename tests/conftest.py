@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.hubstub import hub_stub  # noqa: F401  (the Hugging Face hub stand-in's session fixture)
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

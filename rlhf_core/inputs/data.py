@@ -1,7 +1,8 @@
 """Row schemas and loaders for OpenRLHF-style inputs.
 
-Sources are fsspec URIs to json / jsonl / csv / parquet files, `datasets.save_to_disk` folders, or committed
-artifacts of this project. Several sources are given comma-separated with mixing probabilities
+Sources are fsspec URIs to json / jsonl / csv / parquet files, `datasets.save_to_disk` folders, committed
+artifacts of this project, or hub datasets (`org/name`, `org/name@dir|subset|split`, `hf://datasets/...`:
+hub.py), whose lineage carries the commit sha they were read at. Several sources are given comma-separated with mixing probabilities
 (OpenRLHF's `--prompt_data a,b --prompt_data_probs 0.7,0.3`). Rows are formatted with a chat template
 (`apply_chat_template`, message lists such as `context_messages`) or an `input_template`
 ("User: {}\\nAssistant: "). Every bad row raises `DataError` naming the file, the row number and the key.
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core import store
+from rlhf_core.inputs import hub
 
 log = logging.getLogger("rlhf_flows")
 
@@ -84,6 +86,29 @@ def source_split(source: str) -> tuple[str, str | None]:
         return source, None
     name, split = last.rsplit("@", 1)
     return head + sep + name, split
+
+
+def source_manifest(source: str, storage_options: dict | None = None) -> store.Manifest:
+    """Lineage entry of one data source: a hub dataset's (its commit, checked before any work), else
+    `store.source_manifest` of the URI without its "@split"."""
+    ref = hub.dataset_ref(source)
+    if ref is not None:
+        return hub.dataset_manifest(ref)
+    return store.source_manifest(source_split(source)[0], storage_options)
+
+
+def hub_rows(ref: hub.Ref, split: str = "train") -> list[dict]:
+    """Every row of a hub dataset's split: the one its `@X` names (strict), else `split` (OpenRLHF's
+    --dataset_split / --eval_split), else, with a warning, train or the first split there is."""
+    ds, own = hub.load_dataset(ref)
+    available = list(ds)
+    if own is not None and own not in available:
+        raise DataError(f"dataset {ref}: {ref.repo} has no folder, subset or split {own!r}; its splits: {available}")
+    want = own or split
+    if want not in available:
+        log.warning("dataset %s has no split %r: reading %r", ref, want, "train" if "train" in available else available[0])
+        want = "train" if "train" in available else available[0]
+    return ds[want].to_list()
 
 
 def read_rows(uri: str, storage_options: dict | None = None, split: str = "train", strict: bool = False) -> list[dict]:
@@ -177,6 +202,9 @@ def load_mixture(sources: str | list[str], probs: str | list[float] | None = Non
             raise DataError(f"mixing probabilities {probs!r} are not numbers") from None
     per_source = []
     for s in srcs:
+        if (ref := hub.dataset_ref(s)) is not None:
+            per_source.append([(s, i, r) for i, r in enumerate(hub_rows(ref, split))])
+            continue
         uri, own = source_split(s)
         per_source.append([(s, i, r) for i, r in enumerate(read_rows(uri, storage_options, own or split, strict=bool(own)))])
     rng = random.Random(seed)

@@ -1,5 +1,6 @@
-"""Model inputs: what a stage gets when a config names a model (a committed artifact or a plain Hugging Face
-folder on any fsspec URI). `model_manifest` checks a folder up front and gives it a content fingerprint,
+"""Model inputs: what a stage gets when a config names a model (a committed artifact, a plain Hugging Face
+folder on any fsspec URI, or a hub model `org/name[@rev]` / `hf://...`: hub.py). `model_manifest` checks a
+folder up front and gives it a content fingerprint (a hub model: its commit sha),
 `fetch_model` downloads it once per machine into the cache (keyed by content), and an adapter-only artifact
 (LoRA trained with `lora_merge=false`) is merged there into the base its lineage names. `prune_cache` keeps
 that cache under a size (`rlhf-flows gc --cache-max-gb X`), least recently used entries first.
@@ -21,7 +22,7 @@ Fetched and fingerprinted (`loaded_files`), root files only:
   *.py      custom code (trust_remote_code).
 Not fetched: other subfolders (original/, .cache/), other frameworks' weights (*.pth, *.pt, *.h5, *.msgpack,
 *.onnx, *.gguf, *.ckpt), training_args.bin, README.md, images. A committed artifact is fetched whole (the
-project wrote it).
+project wrote it). A hub model is checked and fetched by the same rule, from its file list at the commit.
 """
 from __future__ import annotations
 
@@ -37,12 +38,9 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.inputs import models
+from rlhf_core.inputs import hub, models
 from rlhf_core import store
 from rlhf_core.store import versions
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
 
 def _sha256_file(path: str) -> str:
     """sha256 of a local file, remembered under the cache by (path, size, mtime) so an 8B folder is hashed
@@ -77,15 +75,15 @@ def _content_id(fs, name: str, info: dict) -> str:
 
 
 def model_manifest(uri: str, storage_options: dict | None = None) -> store.Manifest:
-    """Lineage entry of a model input: its manifest if it is a committed artifact, else a plain Hugging Face
-    folder (what `save_pretrained` writes) on any fsspec URI, checked up front and entered as a `source`
-    whose fingerprint hashes its files' content: a changed folder changes every downstream fingerprint."""
+    """Lineage entry of a model input: its manifest if it is a committed artifact; a hub model (`org/name[@rev]`,
+    `hf://...`) entered with its commit sha (a moved branch changes every downstream fingerprint, a pinned
+    sha never does); else a plain Hugging Face folder (what `save_pretrained` writes) on any fsspec URI, entered
+    as a `source` whose fingerprint hashes its files' content. Each is checked up front."""
     uri = str(uri)
+    if (ref := hub.model_ref(uri)) is not None:
+        return _hub_manifest(ref)
     if store.committed_any(uri, storage_options):
         return store.read_manifest(uri, storage_options=storage_options)
-    if "://" not in uri and _HUB_ID.match(uri) and not Path(uri).exists():
-        raise models.ModelInputError(f"model {uri!r} looks like a Hugging Face hub id: there is no hub access here; "
-                              f"download it and pass the folder (a local path or s3://...)")
     fs, path = store.filesystem(uri, storage_options)
     if not fs.isdir(path):
         raise models.ModelInputError(f"model {uri} is neither a committed artifact nor a folder (it does not exist)")
@@ -94,6 +92,31 @@ def model_manifest(uri: str, storage_options: dict | None = None) -> store.Manif
              if not any(part.startswith(".") for part in n[len(root) + 1:].split("/"))}  # skip .cache/ and the like
     names = set(infos)
     loaded = loaded_files(names, lambda rel: json.loads(fs.cat_file(store.join(root, rel))), uri)
+    _check_files(names, loaded, f"model folder {uri}", convert=(
+        "convert it once with `AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, "
+        "safe_serialization=True)` (AutoModelForSequenceClassification for a reward model): the .bin files are then ignored"))
+    content = [[rel, infos[rel].get("size"), _content_id(fs, store.join(root, rel), infos[rel])] for rel in loaded]
+    return store.Manifest(stage="source", fingerprint=store.fingerprint("model-folder", {"files": content}), uri=uri,
+                    files=[{"path": rel, "size": size} for rel, size, _ in content], config={"content": content})
+
+
+def _hub_manifest(ref: hub.Ref) -> store.Manifest:
+    """A hub model's lineage entry, checked from its file list before any weight is downloaded (a sharded
+    model's index is fetched first: it names the shards)."""
+    snap = hub.resolve(ref)
+    names = set(snap.files)
+    loaded = loaded_files(names, lambda rel: json.loads((hub.fetch(snap, [rel]) / rel).read_text()), str(ref))
+    _check_files(names, loaded, f"hub model {ref} (commit {snap.sha})", convert=(
+        "download it, convert it with `AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, "
+        "safe_serialization=True)` and pass the folder, or name a revision with safetensors weights (org/name@rev)"))
+    return store.Manifest(stage="source", uri=snap.uri,
+                          fingerprint=store.fingerprint("hub-model", {"repo": ref.repo, "sha": snap.sha, "files": loaded}),
+                          files=[{"path": rel, "size": snap.files[rel]} for rel in loaded],
+                          config={"repo": ref.repo, "revision": ref.revision, "sha": snap.sha})
+
+
+def _check_files(names: set[str], loaded: list[str], where: str, convert: str) -> None:
+    """A model's files hold what the stages load: config, safetensors weights, a tokenizer."""
     missing = []
     if "config.json" not in names:
         missing.append("config.json")
@@ -103,17 +126,12 @@ def model_manifest(uri: str, storage_options: dict | None = None) -> store.Manif
     if not names & set(models.TOKENIZER_FILES):
         missing.append(f"a tokenizer ({', '.join(models.TOKENIZER_FILES)})")
     if missing:
-        raise models.ModelInputError(f"model folder {uri} lacks {' and '.join(missing)}: pass a folder written by "
-                              f"save_pretrained (model and tokenizer)")
+        raise models.ModelInputError(f"{where} lacks {' and '.join(missing)}: pass a folder written by "
+                                     f"save_pretrained (model and tokenizer)")
     if bins:
         raise models.ModelInputError(
-            f"model folder {uri} holds only PyTorch .bin weights ({', '.join(bins[:3])}{', ...' if len(bins) > 3 else ''}): "
-            f"the stages load safetensors (transformers' use_safetensors=True); convert it once with "
-            f"`AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)` "
-            f"(AutoModelForSequenceClassification for a reward model): the .bin files are then ignored")
-    content = [[rel, infos[rel].get("size"), _content_id(fs, store.join(root, rel), infos[rel])] for rel in loaded]
-    return store.Manifest(stage="source", fingerprint=store.fingerprint("model-folder", {"files": content}), uri=uri,
-                    files=[{"path": rel, "size": size} for rel, size, _ in content], config={"content": content})
+            f"{where} holds only PyTorch .bin weights ({', '.join(bins[:3])}{', ...' if len(bins) > 3 else ''}): "
+            f"the stages load safetensors (transformers' use_safetensors=True); {convert}")
 
 
 _ROOT_FILES = ("*.json", "*.py", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.spm", "*.codes", "tokenizer.model.v*")
@@ -156,6 +174,10 @@ def fetch_model(uri: str, storage_options: dict | None = None, stage: str | tupl
 
 
 def _fetch_files(uri: str, m: store.Manifest, storage_options: dict | None) -> Path:
+    if m.stage == "source" and m.uri.startswith("hf://"):  # a hub model: this node's hub cache or the mirror
+        ref = hub.Ref("model", m.config["repo"], m.config["revision"])
+        snap = hub.Snapshot(ref, m.config["sha"], {f["path"]: f["size"] for f in m.files})
+        return hub.fetch(snap, [f["path"] for f in m.files])
     fs, path = store.filesystem(uri, storage_options)
     if isinstance(fs, LocalFileSystem):
         return Path(path)

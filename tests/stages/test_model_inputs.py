@@ -38,12 +38,14 @@ def test_changed_plain_folder_reruns_the_stage_and_gets_a_new_cache_entry(zoo, s
     assert model_inputs.fetch_model(policy) != first_dir
 
 
-def test_bad_model_inputs_fail_before_work_and_commit_nothing(zoo, tiny, tmp_path):
+def test_bad_model_inputs_fail_before_work_and_commit_nothing(zoo, tiny, tmp_path, monkeypatch):
     data = tmp_path / "sft.jsonl"
     data.write_text('{"input": "a", "output": "b"}\n' * 8)
     out = tmp_path / "out"
     base = dict(dataset_uri=str(data), output_uri=str(out), train_batch_size=8, micro_train_batch_size=8)
-    with pytest.raises(models.ModelInputError, match="'meta-llama/Meta-Llama-3-8B' looks like a Hugging Face hub id"):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the tests run with HF_HUB_OFFLINE=1: a hub id not cached
+    with pytest.raises(models.ModelInputError, match="model meta-llama/Meta-Llama-3-8B: HF_HUB_OFFLINE is set and "
+                                                     "meta-llama/Meta-Llama-3-8B@main is not in this node's cache"):
         sft.run(sft.Config(policy_uri="meta-llama/Meta-Llama-3-8B", **base))
     no_weights = tmp_path / "no-weights"
     shutil.copytree(zoo["mistral"].policy, no_weights)

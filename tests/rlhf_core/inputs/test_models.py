@@ -126,8 +126,6 @@ def test_hf_backend_stops_on_every_eos_of_the_list(zoo, tmp_path):
 def test_bad_model_folders_are_refused_by_name(zoo, tmp_path):
     import shutil
 
-    with pytest.raises(models.ModelInputError, match="looks like a Hugging Face hub id: there is no hub access here"):
-        model_inputs.model_manifest("meta-llama/Meta-Llama-3-8B")
     for drop, what in (("config.json", "lacks config.json"), ("model.safetensors", r"lacks weights \(\*.safetensors"),
                        ("tokenizer.json", r"lacks a tokenizer \(tokenizer.json")):
         d = tmp_path / drop
