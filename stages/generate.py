@@ -120,7 +120,7 @@ def run(cfg: Config) -> store.Manifest:
     uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
     policy_m = model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options)
     inputs = {"policy": policy_m,
-              **{f"prompts{k or ''}": store.source_manifest(data.source_split(u)[0], cfg.storage_options) for k, u in enumerate(uris)}}
+              **{f"prompts{k or ''}": data.source_manifest(u, cfg.storage_options) for k, u in enumerate(uris)}}
     w = store.ArtifactWriter(cfg.output_uri, "generate", cfg.semantic(), inputs, cfg.storage_options)
     if (done := w.existing()):
         return done

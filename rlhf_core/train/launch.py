@@ -188,7 +188,7 @@ def input_manifests(cfg) -> dict[str, store.Manifest]:
     out = {}
     for key, uris in (("dataset", cfg.dataset_uri), ("eval_dataset", cfg.eval_dataset or "")):
         srcs = [s.strip() for s in uris.split(",") if s.strip()]
-        out |= {f"{key}{i or ''}": store.source_manifest(data.source_split(s)[0], cfg.storage_options) for i, s in enumerate(srcs)}
+        out |= {f"{key}{i or ''}": data.source_manifest(s, cfg.storage_options) for i, s in enumerate(srcs)}
     return out
 
 
