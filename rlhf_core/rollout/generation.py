@@ -65,7 +65,7 @@ class EngineSpec:
 
 
 def _local_model(model: str, storage_options: dict) -> str:
-    """A local folder for `model` (a folder, a committed artifact or a plain HF folder on any URI)."""
+    """A local folder for `model` (a folder, a committed artifact, a plain HF folder on any URI, a hub model)."""
     if Path(str(model)).is_dir():
         return str(model)
     from rlhf_core.inputs import model_inputs
@@ -306,7 +306,8 @@ def generate(model: str, prompt_ids: list[list[int]], params: SamplingSpec, back
 
 
 def model_input(uri: str, storage_options: dict | None = None):
-    """(local folder, lineage manifest) for a model given as a committed artifact or a plain HF folder on any URI."""
+    """(local folder, lineage manifest) for a model given as a committed artifact, a plain HF folder on any URI or
+    a hub model (`org/name[@rev]`: its lineage names the commit, the folder is this node's copy)."""
     from rlhf_core.inputs import model_inputs
 
     m = model_inputs.model_manifest(uri, storage_options)
