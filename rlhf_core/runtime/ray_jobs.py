@@ -17,6 +17,9 @@ runtime_env env_vars, never into the entrypoint or a log line; they are as visib
 --runtime-env-json` to whoever can read the cluster's job API. RLHF_FLOWS_FENCE goes too, so the job's writes
 are fenced by the run lock of the flow that submitted it (rlhf_core.store.check_fence).
 
+Resources: the entrypoint reserves ENTRYPOINT_CPUS CPUs and nothing else; the stage inside asks the cluster
+(ray.cluster_resources()) whether its roles run on GPUs, never its own host's torch.
+
 Cancellation: any exception or signal here (Prefect cancels a flow run with SIGTERM, which its engine turns
 into an exception; the CLI gets SystemExit from the handler set while waiting) stops the job before re-raising.
 The result is read back from the store: the committed manifest with the fingerprint the submitter computed.
@@ -38,6 +41,10 @@ log = logging.getLogger("rlhf_flows")
 
 STORE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_STORAGE_")
 ANSWER_TIMEOUT_S = 10.0  # the job API's first answer (GET /api/version)
+# The job's driver (the stage's own process) reserves one CPU and no GPU: the roles it starts reserve their GPUs in
+# their placement groups, from the cluster (rlhf_core.ppo.placement.roles_on_gpus); a driver holding a GPU would
+# take one from them, and one with no reservation may be placed anywhere, its CPU counted by nobody.
+ENTRYPOINT_CPUS = 1
 
 
 class RayJobError(RuntimeError):
@@ -85,7 +92,8 @@ def run_stage(stage: str, config: dict, address: str, writer: store.ArtifactWrit
     job_id = f"rlhf-{stage}-{fingerprint[:12]}-{uuid.uuid4().hex[:6]}"
     with _sigterm_exits():
         jobs.submit_job(entrypoint=entrypoint(stage, config), submission_id=job_id, runtime_env={"env_vars": job_env()},
-                        metadata={"rlhf_flows_stage": stage, "output_uri": output_uri})
+                        metadata={"rlhf_flows_stage": stage, "output_uri": output_uri},
+                        entrypoint_num_cpus=ENTRYPOINT_CPUS)
         log.info("launching Ray job %s (%s) on %s", job_id, stage, address)
         try:
             status, tail = _follow(jobs, job_id, poll_s)

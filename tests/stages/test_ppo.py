@@ -535,6 +535,14 @@ def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
     address = f"127.0.0.1:{port}"
     try:
         wait_for_port(port, head, "ray head", timeout=120)
+        # issue 35 item 5: accepted on the driver's account (joining a cluster), refused by the cluster it joined,
+        # which advertises no GPU, before any actor starts; nothing committed
+        with pytest.raises(ValueError, match=rf"ref_reward_offload: .* no CUDA device \(the Ray cluster at {address} "
+                                             r"advertises no GPU\)"):
+            ppo.run(ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "gpu-only"),
+                               **BASE, advantage_estimator="rloo", n_samples_per_prompt=2, ref_reward_offload=True,
+                               ray_address=address))
+        assert not store.committed_any(str(tmp_path / "gpu-only"))
         m = ppo.run(ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "ppo"),
                                **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32},
                                advantage_estimator="rloo", n_samples_per_prompt=2, init_kl_coef=0.0,

@@ -103,13 +103,13 @@ def wait_job_api(address: str, proc: subprocess.Popen, log: Path, timeout: float
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A one-node Ray cluster (2 CPUs) with its job API on 127.0.0.1, in a temp dir of its own (short: Ray's
-    socket paths must fit 107 bytes)."""
+    """A one-node Ray cluster (2 CPUs, and 4 GPUs it advertises but does not have: this host has none) with its
+    job API on 127.0.0.1, in a temp dir of its own (short: Ray's socket paths must fit 107 bytes)."""
     tmp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))
     dash = free_port()
     cmd = [os.path.join(VENV_BIN, "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
            "--port", str(free_port()), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-           "--ray-client-server-port", str(free_port()), "--num-cpus", "2", "--temp-dir", str(tmp / "ray"),
+           "--ray-client-server-port", str(free_port()), "--num-cpus", "2", "--num-gpus", "4", "--temp-dir", str(tmp / "ray"),
            "--object-store-memory", str(200 * 1024 ** 2), *fixed_ports()]
     log = tmp / "head.log"
     with open(log, "w") as out:
@@ -144,7 +144,8 @@ def jobs_for(head, out: str) -> list:
 
 def test_ppo_as_a_ray_job_from_a_flow_commits_and_streams_its_log(ray_head, inputs, s3_root, prefect_harness, capfd):
     """One ppo step (GRPO on the demo's gold reward, 8 prompts x 2 samples) submitted from a Prefect flow:
-    committed on the store by the job, SUCCEEDED in the job list; the job's lines reach the task's run log at
+    committed on the store by the job, SUCCEEDED in the job list; its roles placed on GPU bundles as the cluster
+    advertises them (a driver without a GPU decides nothing on its own account); the job's lines reach the task's run log at
     the levels a local stage's lines get (the launch line at INFO; the step line and the job CLI's report at
     debug: on the console as they come); no credential in the log, the console or the entrypoint."""
     from prefect import flow
@@ -172,6 +173,13 @@ def test_ppo_as_a_ray_job_from_a_flow_commits_and_streams_its_log(ray_head, inpu
     [job] = jobs_for(ray_head, out)
     assert str(job.status.value) == "SUCCEEDED" and job.submission_id.startswith("rlhf-ppo-")
     assert job.entrypoint.startswith("rlhf-flows stage ppo --debug ") and "ray_address=\"auto\"" in job.entrypoint.replace("'", "")
+    # issue 35 item 5: the CPU-only driver plans GPU bundles from the cluster's resources (not its own torch): each
+    # role on its own bundle with a GPU of its own (the job's driver reserves one CPU, ray_jobs.ENTRYPOINT_CPUS, which
+    # the roles' CPU shares leave out: with 2 CPUs, a placement sized on the total would never be ready)
+    assert held.metrics["placement"] == {"policy0": 0, "rollout0": 1}
+    gpus = held.metrics["role_gpus"]
+    assert set(gpus) == {"policy0", "rollout0"} and all(len(g) == 1 for g in gpus.values())
+    assert gpus["policy0"] != gpus["rollout0"]
     APILogHandler().flush()
     with get_client(sync_client=True) as c:
         messages = [e.message for e in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.ppo.placement import bundle_plan, check_resources
+from rlhf_core.ppo.placement import bundle_plan, check_engines_on_one_node, check_resources, pg_layout
 from stages import ppo
 from stages.common import ConfigError, load_config
 
@@ -56,7 +56,7 @@ BASE = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r
 
 
 @pytest.mark.parametrize("over, message", [
-    (dict(ref_reward_offload=True), "ref_reward_offload keeps .* this host has no CUDA device"),
+    (dict(ref_reward_offload=True), r"ref_reward_offload: keeps .* no CUDA device \(this host has no GPU"),
     (dict(ref_num_gpus_per_node=2, init_kl_coef=0.0), "2 reference ranks, but init_kl_coef is 0"),
     (dict(ref_num_gpus_per_node=3), "16 samples per step do not split into 3 reference ranks"),
     (dict(ref_num_gpus_per_node=2, micro_rollout_batch_size=16),
@@ -101,3 +101,42 @@ def test_the_gpu_tests_and_benchmark_give_the_learner_every_setting_the_stage_do
     want = set(loop.learner_settings(defaults))
     assert set(test_gpu_roles.hp()) == want
     assert set(bench.learner_hp(True, 2, 8, 4, 16)) == want
+
+
+# ---------------------------------------------------------------------------------------------- from the cluster
+def test_each_engine_gets_a_placement_group_of_its_own_tp_bundles_unless_colocated():
+    """issue 35 item 5: an engine's TP bundles are one STRICT_PACK group (one node); colocated engines share the
+    policy bundles (group 0, PACK), whose node the check below verifies once Ray placed them."""
+    plan = bundle_plan(ppo.Config.model_construct(vllm_num_engines=2, vllm_tensor_parallel_size=2), 2, 0, True, False)
+    groups, slots = pg_layout(plan)
+    assert groups == [[0, 1, 2], [3, 4], [5, 6]]
+    assert slots == {"policy0": (0, 0), "policy1": (0, 1), "reference": (0, 2), "rollout0": (1, 0),
+                     "rollout0.tp1": (1, 1), "rollout1": (2, 0), "rollout1.tp1": (2, 1)}
+    hybrid = bundle_plan(ppo.Config.model_construct(vllm_num_engines=2, vllm_tensor_parallel_size=2,
+                                                    colocate_all_models=True), 4, 0, True, True)
+    groups, slots = pg_layout(hybrid)
+    assert groups == [[0, 1, 2, 3]] and slots["rollout1.tp1"] == (0, 3)
+    check_engines_on_one_node(hybrid, groups, [["a", "a", "b", "b"]])  # engine 0 on a, engine 1 on b
+    with pytest.raises(ValueError, match=r"placement: rollout0's tensor-parallel bundles landed on 2 nodes \(a, b\)"):
+        check_engines_on_one_node(hybrid, groups, [["a", "b", "b", "b"]])
+
+
+GPU_FLAGS = dict(rollout_backend="vllm", vllm_enable_sleep=True, deepspeed_enable_sleep=True, zero_stage=3,
+                 ref_reward_offload=True, colocate_all_models=True, vllm_num_engines=1)
+
+
+def test_cuda_only_settings_are_the_clusters_call_not_the_drivers():
+    """This host has no GPU. A stage joining a cluster (ray_address) is not refused on its own host's account:
+    the cluster is asked once joined (loop.train, test_ppo's external cluster refuses one that has none);
+    accelerator gpu says so up front, and for the stage's own local Ray it needs GPUs here; accelerator cpu
+    refuses them anywhere."""
+    for address in ("10.0.0.1:6379", "http://head:8265"):
+        load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "ray_address": address})
+    with pytest.raises(ConfigError, match=r"vllm_enable_sleep: .* no CUDA device \(this host has no GPU, and the stage "
+                                          r"starts its own Ray on it\)"):
+        load_config(ppo.Config, None, {**BASE, **GPU_FLAGS})
+    with pytest.raises(ConfigError, match=r"vllm_enable_sleep: .* no CUDA device \(accelerator cpu\)"):
+        load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "ray_address": "10.0.0.1:6379", "accelerator": "cpu"})
+    load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "ray_address": "10.0.0.1:6379", "accelerator": "gpu"})
+    with pytest.raises(ConfigError, match=r"placement: 1 bundles .* need 1 GPUs; free: 0 GPUs"):
+        load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "accelerator": "gpu"})

