@@ -257,34 +257,40 @@ def _hub_error(ref: Ref, e: BaseException) -> HubError:
 
 # ---------------------------------------------------------------------------------------------- fetching
 def fetch(snap: Snapshot, files: list[str]) -> Path:
-    """A local folder holding `files` of the snapshot (the node's huggingface_hub cache, or the model cache's
-    copy of the store mirror), downloaded once per node."""
+    """A local folder holding `files` of the snapshot, downloaded once per node: this node's huggingface_hub
+    cache, else its copy of the store mirror, else the mirror (into that copy), else the hub. Online, what the
+    node holds is also copied to the mirror (once) and the revision's ref recorded there and in the cache."""
     want = {f: snap.files.get(f) for f in files}
-    if not offline() and snap.ref.revision != snap.sha:  # as huggingface_hub records it: offline runs resolve by it
+    online = not offline()
+    if online and snap.ref.revision != snap.sha:  # as huggingface_hub records it: offline runs resolve by it
         ref_file = _cache_repo(snap.ref) / "refs" / snap.ref.revision
         if not ref_file.is_file() or ref_file.read_text() != snap.sha:
             ref_file.parent.mkdir(parents=True, exist_ok=True)
             ref_file.write_text(snap.sha)
-    for folder in (_cache_repo(snap.ref) / "snapshots" / snap.sha, _mirror_copy(snap)):
-        if _has(folder, want):
-            return _touch(folder)
-    if (m := mirror()) and _has_mirror(snap, want):
-        return _from_mirror(snap, want)
-    if offline():
+    local = next((f for f in (_cache_repo(snap.ref) / "snapshots" / snap.sha, _mirror_copy(snap)) if _has(f, want)), None)
+    if local is None and mirror() and _has_mirror(snap, want):
+        local = _from_mirror(snap, want)
+    if local is None and not online:
         raise _error(snap.ref, _offline_miss(snap.ref, f"commit {snap.sha} (all of {', '.join(sorted(want))})"))
+    if local is None:
+        local = _download(snap, want)
+    if online and mirror():
+        _to_mirror(snap, local, want)
+    return _touch(local)
+
+
+def _download(snap: Snapshot, want: dict[str, int | None]) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         local = Path(snapshot_download(snap.ref.repo, repo_type=snap.ref.kind, revision=snap.sha, endpoint=endpoint(),
-                                       cache_dir=cache_dir(), allow_patterns=[glob.escape(f) for f in files]))
+                                       cache_dir=cache_dir(), allow_patterns=[glob.escape(f) for f in want]))
     except Exception as e:  # noqa: BLE001
         raise _hub_error(snap.ref, e) from None
     if not _has(local, want):
         lost = ", ".join(f for f in want if not (local / f).is_file())
         raise _error(snap.ref, f"{snap.ref.kind} {snap.ref}: the hub at {endpoint(shown=True)} served an incomplete copy "
                                f"of commit {snap.sha} (missing or cut: {lost or 'a file of the wrong size'})")
-    if m:
-        _to_mirror(snap, local, want)
     return local
 
 
@@ -322,11 +328,14 @@ def _mirror_copy(snap: Snapshot) -> Path:
 
 
 def _read(uri: str) -> str | None:
-    fs, path = store.filesystem(uri)
     try:
+        fs, path = store.filesystem(uri)
         return fs.cat_file(path).decode().strip()
     except FileNotFoundError:
         return None
+    except Exception as e:  # noqa: BLE001 - an unreachable store or no credentials: one line
+        raise HubError(f"the hub mirror {mirror()} ({MIRROR_ENV}) cannot be read: "
+                       f"{store.redact(f'{type(e).__name__}: {e}').splitlines()[0]}") from None
 
 
 def _mirror_files(ref: Ref, sha: str) -> dict[str, int | None]:
@@ -358,20 +367,22 @@ def _from_mirror(snap: Snapshot, want: dict[str, int | None]) -> Path:
 
 
 def _to_mirror(snap: Snapshot, local: Path, want: dict[str, int | None]) -> None:
-    """Copy what was downloaded to the mirror (its manifest last), and point the revision's ref at the sha.
-    A mirror this process cannot write is a warning: the stage has its files."""
+    """Copy to the mirror what it lacks of `want` (its manifest last), and point the revision's ref at the sha;
+    nothing is written when it holds both. A mirror this process cannot write is a warning: the stage has its
+    files."""
     try:
         fs, root = store.filesystem(_mirror_at(snap.ref, snap.sha))
         held = _mirror_files(snap.ref, snap.sha)
-        for f in want:
-            if f not in held:
+        if missing := [f for f in want if f not in held]:
+            for f in missing:
                 fs.put_file(str(local / f), store.join(root, f))
-        files = sorted({**held, **{f: (local / f).stat().st_size for f in want}}.items())
-        m = store.Manifest(stage="hub-mirror", fingerprint=snap.sha, uri=snap.uri,
-                           files=[{"path": f, "size": s} for f, s in files], config={"repo": snap.ref.repo, "sha": snap.sha})
-        fs.pipe_file(store.join(root, store.MANIFEST), m.to_json().encode())
-        if snap.ref.revision != snap.sha:
-            rfs, rpath = store.filesystem(store.join(mirror(), f"{snap.ref.kind}s", snap.ref.repo, "refs", snap.ref.revision))
+            files = sorted({**held, **{f: (local / f).stat().st_size for f in want}}.items())
+            m = store.Manifest(stage="hub-mirror", fingerprint=snap.sha, uri=snap.uri, files=[
+                {"path": f, "size": size} for f, size in files], config={"repo": snap.ref.repo, "sha": snap.sha})
+            fs.pipe_file(store.join(root, store.MANIFEST), m.to_json().encode())
+        ref = store.join(mirror(), f"{snap.ref.kind}s", snap.ref.repo, "refs", snap.ref.revision)
+        if snap.ref.revision != snap.sha and _read(ref) != snap.sha:
+            rfs, rpath = store.filesystem(ref)
             rfs.pipe_file(rpath, snap.sha.encode())
     except Exception as e:  # noqa: BLE001
         log.warning("could not copy %s %s (commit %s) to the hub mirror %s: %s", snap.ref.kind, snap.ref, snap.sha,

@@ -99,3 +99,14 @@ def test_the_token_never_reaches_the_prefect_database(hf, prefect_harness, monke
     stored = _files_text(db.parent, Path(PREFECT_LOCAL_STORAGE_PATH.value()), tmp_path / "ok")
     assert "t-org/gated-prompts" in stored and "has not been granted access" in stored  # the right database
     assert GATED_TOKEN not in stored and WRONG_TOKEN not in stored
+
+
+def test_a_missing_hub_dataset_is_one_line_from_the_cli_and_commits_nothing(hf, tmp_path, capsys):
+    from flows import cli
+
+    out = tmp_path / "prompts"
+    assert cli.main(["stage", "prepare", "kind=prompts", "data=t-org/no-such-data", f"output_uri={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlhf-flows: error: dataset t-org/no-such-data: no such dataset repo at {hf.url}, and no local path "
+                   f"of that name"]  # HF_TOKEN is set here: no hint about private repos
+    assert not out.exists()

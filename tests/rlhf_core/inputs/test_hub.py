@@ -78,6 +78,26 @@ def test_model_resolves_to_its_commit_and_fetches_only_what_the_loaders_read_onc
     assert _gets(hf, seen) == []  # once per node
 
 
+def test_sharded_model_is_checked_from_its_index_and_fetches_the_shards_it_names(hf, tiny, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir)).save_pretrained(str(repo), max_shard_size="600KB")
+    AutoTokenizer.from_pretrained(str(tiny.policy_dir)).save_pretrained(str(repo))
+    shutil.copy(Path(tiny.policy_dir) / "model.safetensors", repo / "consolidated.safetensors")  # Mistral's copy
+    shards = sorted(set(json.loads((repo / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(shards) > 1
+    hf.add("t-org/sharded", repo)
+    seen = len(hf.requests())
+    m = model_inputs.model_manifest("t-org/sharded")
+    assert [Path(p).name for p in _gets(hf, seen)] == ["model.safetensors.index.json"]  # no weight before the check
+    loaded = {f["path"] for f in m.files}
+    assert set(shards) <= loaded and "consolidated.safetensors" not in loaded
+    local = model_inputs.fetch_model("t-org/sharded", manifest=m)
+    assert not (local / "consolidated.safetensors").exists()
+    AutoModelForCausalLM.from_pretrained(str(local), use_safetensors=True)
+
+
 def test_moved_branch_changes_the_fingerprint_a_pinned_sha_never(hf, tiny, tmp_path):
     first = hf.add("t-org/moving", Path(tiny.policy_dir))
     before = model_inputs.model_manifest("t-org/moving")
@@ -167,10 +187,13 @@ def test_offline_reads_the_cache_and_a_miss_is_one_line(hf, monkeypatch, tmp_pat
 
 
 def test_store_mirror_serves_a_node_that_never_asks_the_hub(hf, s3_root, monkeypatch, tmp_path):
-    monkeypatch.setenv(hub.MIRROR_ENV, f"{s3_root}/hub")
     driver = model_inputs.model_manifest("tiny-org/policy")
-    model_inputs.fetch_model("tiny-org/policy", manifest=driver)  # downloads from the hub, copies to the mirror
-    rows = data.load_mixture("tiny-org/sft-data@data")  # OpenRLHF's name@data_dir
+    model_inputs.fetch_model("tiny-org/policy", manifest=driver)  # in the driver's cache before there is a mirror
+    monkeypatch.setenv(hub.MIRROR_ENV, f"{s3_root}/hub")
+    seen = len(hf.requests())
+    model_inputs.fetch_model("tiny-org/policy", manifest=driver)  # a cache hit, copied to the mirror
+    assert _gets(hf, seen) == []
+    rows = data.load_mixture("tiny-org/sft-data@data")  # OpenRLHF's name@data_dir: downloaded, then mirrored
     sha = driver.config["sha"]
     held = store.read_manifest(f"{s3_root}/hub/models/tiny-org/policy/{sha}")
     assert sorted(f["path"] for f in held.files) == sorted(f["path"] for f in driver.files)
