@@ -97,9 +97,9 @@ def source_manifest(source: str, storage_options: dict | None = None) -> store.M
     return store.source_manifest(source_split(source)[0], storage_options)
 
 
-def hub_rows(ref: hub.Ref, split: str = "train") -> list[dict]:
-    """Every row of a hub dataset's split: the one its `@X` names (strict), else `split` (OpenRLHF's
-    --dataset_split / --eval_split), else, with a warning, train or the first split there is."""
+def hub_rows(ref: hub.Ref, split: str = "train", limit: int | None = None) -> list[dict]:
+    """The rows (the first `limit`) of a hub dataset's split: the one its `@X` names (strict), else `split`
+    (OpenRLHF's --dataset_split / --eval_split), else, with a warning, train or the first split there is."""
     ds, own = hub.load_dataset(ref)
     available = list(ds)
     if own is not None and own not in available:
@@ -108,7 +108,8 @@ def hub_rows(ref: hub.Ref, split: str = "train") -> list[dict]:
     if want not in available:
         log.warning("dataset %s has no split %r: reading %r", ref, want, "train" if "train" in available else available[0])
         want = "train" if "train" in available else available[0]
-    return ds[want].to_list()
+    rows = ds[want]
+    return (rows.select(range(min(limit, len(rows)))) if limit else rows).to_list()  # arrow: only these are read
 
 
 def read_rows(uri: str, storage_options: dict | None = None, split: str = "train", strict: bool = False) -> list[dict]:
@@ -201,9 +202,10 @@ def load_mixture(sources: str | list[str], probs: str | list[float] | None = Non
         except ValueError:
             raise DataError(f"mixing probabilities {probs!r} are not numbers") from None
     per_source = []
+    unmixed = probs is None or len(srcs) == 1  # then only the first max_samples rows of any source can be kept
     for s in srcs:
         if (ref := hub.dataset_ref(s)) is not None:
-            per_source.append([(s, i, r) for i, r in enumerate(hub_rows(ref, split))])
+            per_source.append([(s, i, r) for i, r in enumerate(hub_rows(ref, split, max_samples if unmixed else None))])
             continue
         uri, own = source_split(s)
         per_source.append([(s, i, r) for i, r in enumerate(read_rows(uri, storage_options, own or split, strict=bool(own)))])

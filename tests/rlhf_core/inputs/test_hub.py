@@ -219,6 +219,7 @@ def test_store_mirror_serves_a_node_that_never_asks_the_hub(hf, s3_root, monkeyp
 def test_dataset_forms_splits_subsets_and_mixtures(hf, tmp_path):
     train = data.load_mixture("tiny-org/sft-data")
     assert len(train) == 16 and set(train[0][2]) == {"question", "response"}
+    assert data.load_mixture("tiny-org/sft-data", max_samples=3) == train[:3]
     assert len(data.load_mixture("tiny-org/sft-data", split="test")) == 4  # --eval_split test
     assert len(data.load_mixture("tiny-org/sft-data@test")) == 4  # the split named per source
     one = data.load_mixture("hf://datasets/tiny-org/sft-data/data/test-00000-of-00001.parquet")  # data_files
