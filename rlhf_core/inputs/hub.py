@@ -221,7 +221,8 @@ def _resolve_offline(ref: Ref) -> Snapshot:
 def _offline_miss(ref: Ref, what: str = "") -> str:
     where = f"this node's cache ({_cache_repo(ref)})" + (f" nor the mirror {mirror()}" if mirror() else "")
     kind = " --repo-type dataset" if ref.kind == "dataset" else ""
-    return (f"{ref.kind} {ref}: HF_HUB_OFFLINE is set and {what or f'{ref.repo}@{ref.revision}'} is not in {where}: "
+    return (f"{ref.kind} {ref} (no local path of that name): HF_HUB_OFFLINE is set and "
+            f"{what or f'{ref.repo}@{ref.revision}'} is not in {where}: "
             f"download it once where the hub is reachable (`hf download {ref.repo} --revision {ref.revision}{kind}` "
             f"with the same HF_HOME), or unset HF_HUB_OFFLINE")
 
@@ -248,8 +249,8 @@ def _hub_error(ref: Ref, e: BaseException) -> HubError:
     elif isinstance(e, errors.HfHubHTTPError) and e.response is not None:
         msg = f"{name}: the hub at {at} answered HTTP {e.response.status_code}: retry later, or set HF_ENDPOINT to a mirror"
     elif isinstance(e, (OSError, TimeoutError)) or "Connect" in type(e).__name__ or "Timeout" in type(e).__name__:
-        msg = (f"{name}: the hub at {at} is unreachable ({type(e).__name__}): set HF_ENDPOINT to a reachable hub or "
-               f"mirror, or HF_HUB_OFFLINE=1 to use this node's cache")
+        msg = (f"{name} (no local path of that name): the hub at {at} is unreachable ({type(e).__name__}): set "
+               f"HF_ENDPOINT to a reachable hub or mirror, or HF_HUB_OFFLINE=1 to use this node's cache")
     else:
         msg = f"{name}: {type(e).__name__}: {_redact(str(e)).splitlines()[0] if str(e) else ''}"
     return _error(ref, msg)

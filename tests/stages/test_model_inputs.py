@@ -44,8 +44,9 @@ def test_bad_model_inputs_fail_before_work_and_commit_nothing(zoo, tiny, tmp_pat
     out = tmp_path / "out"
     base = dict(dataset_uri=str(data), output_uri=str(out), train_batch_size=8, micro_train_batch_size=8)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the tests run with HF_HUB_OFFLINE=1: a hub id not cached
-    with pytest.raises(models.ModelInputError, match="model meta-llama/Meta-Llama-3-8B: HF_HUB_OFFLINE is set and "
-                                                     "meta-llama/Meta-Llama-3-8B@main is not in this node's cache"):
+    with pytest.raises(models.ModelInputError, match=r"model meta-llama/Meta-Llama-3-8B \(no local path of that name\): "
+                                                     r"HF_HUB_OFFLINE is set and meta-llama/Meta-Llama-3-8B@main is not in "
+                                                     r"this node's cache"):
         sft.run(sft.Config(policy_uri="meta-llama/Meta-Llama-3-8B", **base))
     no_weights = tmp_path / "no-weights"
     shutil.copytree(zoo["mistral"].policy, no_weights)

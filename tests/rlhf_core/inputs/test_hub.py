@@ -181,9 +181,10 @@ def test_offline_reads_the_cache_and_a_miss_is_one_line(hf, monkeypatch, tmp_pat
     with pytest.raises(hub.HubError) as e:
         model_inputs.model_manifest("tiny-org/gated-policy")
     cache = tmp_path / "hf" / "hub" / "models--tiny-org--gated-policy"
-    assert str(e.value) == (f"model tiny-org/gated-policy: HF_HUB_OFFLINE is set and tiny-org/gated-policy@main is not "
-                            f"in this node's cache ({cache}): download it once where the hub is reachable (`hf download "
-                            f"tiny-org/gated-policy --revision main` with the same HF_HOME), or unset HF_HUB_OFFLINE")
+    assert str(e.value) == (f"model tiny-org/gated-policy (no local path of that name): HF_HUB_OFFLINE is set and "
+                            f"tiny-org/gated-policy@main is not in this node's cache ({cache}): download it once where "
+                            f"the hub is reachable (`hf download tiny-org/gated-policy --revision main` with the same "
+                            f"HF_HOME), or unset HF_HUB_OFFLINE")
 
 
 def test_store_mirror_serves_a_node_that_never_asks_the_hub(hf, s3_root, monkeypatch, tmp_path):
