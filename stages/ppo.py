@@ -460,12 +460,12 @@ def run(cfg: Config) -> store.Manifest:
     rms = [u.strip() for u in (cfg.reward_model_uri or "").split(",") if u.strip()]  # --reward_pretrain a,b
     critic_src = cfg.critic_uri or (rms[0] if rms and cfg.advantage_estimator == "gae" else None)  # OpenRLHF: the first
     inputs = {"policy": model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options),
-              "prompts": store.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
+              "prompts": data.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
     for name, uri in [(f"reward_model{i or ''}", u) for i, u in enumerate(rms)] + [("critic", critic_src)]:
         if uri:
             inputs[name] = model_inputs.model_manifest(uri, cfg.storage_options)
     if cfg.pretrain_data and cfg.ptx_coef > 0:
-        inputs["pretrain_data"] = store.source_manifest(cfg.pretrain_data.split(",")[0], cfg.storage_options)
+        inputs["pretrain_data"] = data.source_manifest(cfg.pretrain_data.split(",")[0], cfg.storage_options)
     for name in ("reward_func_path", "agent_func_path", "agent_executor_path"):
         if getattr(cfg, name):
             inputs[name.removesuffix("_path")] = store.source_manifest(getattr(cfg, name), cfg.storage_options)
