@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,6 +188,15 @@ def test_offline_reads_the_cache_and_a_miss_is_one_line(hf, monkeypatch, tmp_pat
                             f"tiny-org/gated-policy@main is not in this node's cache ({cache}): download it once where "
                             f"the hub is reachable (`hf download tiny-org/gated-policy --revision main` with the same "
                             f"HF_HOME), or unset HF_HUB_OFFLINE")
+
+    # what the line says to do, done with huggingface_hub's own CLI, makes the offline run work
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hf.url, "HF_TOKEN": GATED_TOKEN}
+    subprocess.run([str(Path(sys.executable).parent / "hf"), "download", "tiny-org/gated-policy", "--revision", "main"],
+                   env=env, check=True, capture_output=True, timeout=300)
+    m = model_inputs.model_manifest("tiny-org/gated-policy")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(model_inputs.fetch_model("tiny-org/gated-policy", manifest=m)), use_safetensors=True)
 
 
 def test_store_mirror_serves_a_node_that_never_asks_the_hub(hf, s3_root, monkeypatch, tmp_path):
