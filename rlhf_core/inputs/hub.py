@@ -1,30 +1,23 @@
 """Models and datasets on the Hugging Face hub, named as in an OpenRLHF command, resolved to a commit and
-fetched with huggingface_hub once per node.
+fetched with huggingface_hub once per node (docs/models.md has the user's view).
 
-Names (a name that is an existing local path stays a local path):
+Names (an existing local path stays a local path; a name ending in a data file's extension is a file):
   model    `org/name`, `org/name@rev` (a branch, tag or commit sha), `hf://org/name[@rev]`
-  dataset  `org/name`, `org/name@X` (OpenRLHF's form, X a folder of the repo read as load_dataset's
-           `data_dir`; here also a subset the dataset card declares, which comes first, or else a split), and
-           `hf://datasets/org/name[@rev][/path]` (path: a folder -> data_dir, a file or glob -> data_files).
-           A name ending in a data file's extension (.jsonl, .parquet, ...) is a file, never a hub name.
+  dataset  `org/name`, `org/name@X` (OpenRLHF's `data_dir` X; here a subset the card declares comes first, a
+           split last), `hf://datasets/org/name[@rev][/path]` (a folder -> data_dir, a file or glob -> data_files)
 
-`resolve` asks the hub for the revision's commit sha and file list; lineage and fingerprints carry the sha
-(`Snapshot.uri` = `hf://org/name@<sha>`), so a branch that moves changes every downstream fingerprint and a
-pinned sha never does. Within a process a read reuses the sha the stage's lineage resolved (`fresh=False`),
-so a branch moving mid-stage cannot split what is read from what is recorded. `fetch` gets only the files
-asked for: this node's huggingface_hub cache if it holds them, else the store mirror's copy, else the hub
-(`snapshot_download`), which is then copied to the mirror.
+`resolve` asks the hub for the revision's commit and file list; lineage carries `hf://org/name@<sha>` and the
+fingerprint the sha, so a moved branch changes every downstream fingerprint and a pinned sha never does. A
+read in the same process reuses the sha its stage's lineage resolved (`fresh=False`): what is read is what is
+recorded. `fetch` gets only the files asked for: from this node's huggingface_hub cache, its copy of the store
+mirror, the mirror, or the hub, in that order; online, it copies to the mirror what the mirror lacks.
 
-Environment (read when a stage runs, and passed to huggingface_hub): HF_ENDPOINT (another hub, or a mirror of it), HF_TOKEN
-(gated and private repos; huggingface_hub sends it, and it never enters a config, a manifest, a log line or
-an error here), HF_HUB_OFFLINE=1 (no request: the sha comes from the store mirror's or the cache's ref, the
-files from the cache or the mirror), HF_HOME / HF_HUB_CACHE (the node's cache), and
-RLHF_FLOWS_HUB_MIRROR=s3://bucket/hub (the store mirror: `{mirror}/{models|datasets}/org/name/{sha}/` with its
-_MANIFEST.json written last, and `.../refs/{revision}` holding the sha last resolved at the hub, so a
-cluster's nodes read the store, not the hub; with HF_HUB_OFFLINE=1 they never ask the hub at all).
-
-A missing repo, a gated one without access (401 without a token, 403 with one), an unknown revision, an
-unreachable hub and an offline cache miss are each one line naming the repo and what to do (`HubError`).
+Settings come from the environment when a stage runs and are passed to huggingface_hub (which reads its own
+once, at import): HF_ENDPOINT, HF_TOKEN (read by huggingface_hub only: never in a config, manifest, log line
+or error here), HF_HUB_OFFLINE (no request at all: the sha from the mirror's or the cache's ref), HF_HOME /
+HF_HUB_CACHE, and RLHF_FLOWS_HUB_MIRROR=s3://bucket/hub (`{mirror}/{models|datasets}/org/name/{sha}/`, its
+_MANIFEST.json last; `.../refs/{rev}` the sha last resolved at the hub). Every failure is one `HubError` line
+naming the repo and what to do.
 """
 from __future__ import annotations
 
@@ -134,8 +127,6 @@ def dataset_ref(source: str) -> Ref | None:
 
 
 # ---------------------------------------------------------------------------------------------- settings
-# Read from the environment when a stage runs (huggingface_hub reads its own once, at import) and passed to
-# huggingface_hub explicitly, with its defaults.
 def endpoint(shown: bool = False) -> str:
     """HF_ENDPOINT (default the public hub); `shown`: without a user:password part, for messages."""
     url = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
@@ -144,7 +135,8 @@ def endpoint(shown: bool = False) -> str:
 
 
 def offline() -> bool:
-    return (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper() in {"1", "ON", "YES", "TRUE"}
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return flag.upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def cache_dir(what: str = "hub") -> Path:
@@ -395,9 +387,10 @@ def dataset_manifest(ref: Ref) -> store.Manifest:
     """Lineage entry of a hub dataset: the commit and what of it is read, checked before any work."""
     snap = resolve(ref)
     kw, files = _dataset_plan(snap)
-    return store.Manifest(stage="source", uri=snap.uri, fingerprint=store.fingerprint(
-        "hub-dataset", {"repo": ref.repo, "sha": snap.sha, "read": kw}), files=[{"path": f, "size": snap.files.get(f)} for f in files],
-        config={"repo": ref.repo, "revision": ref.revision, "sha": snap.sha, "read": kw})
+    return store.Manifest(stage="source", uri=snap.uri,
+                          fingerprint=store.fingerprint("hub-dataset", {"repo": ref.repo, "sha": snap.sha, "read": kw}),
+                          files=[{"path": f, "size": snap.files.get(f)} for f in files],
+                          config={"repo": ref.repo, "revision": ref.revision, "sha": snap.sha, "read": kw})
 
 
 def load_dataset(ref: Ref):
@@ -427,7 +420,7 @@ def _dataset_plan(snap: Snapshot) -> tuple[dict, list[str]]:
         picked = in_dir(ref.path) or matching([ref.path])
     elif ref.at and (subset := _subsets(snap, card).get(ref.at)) is not None:
         kw = {"subset": ref.at, **subset}
-        picked = in_dir(subset["data_dir"]) if "data_dir" in subset else \
+        picked = in_dir(subset["data_dir"]) if "data_dir" in subset else data if "name" in subset else \
             matching([p for pats in subset["data_files"].values() for p in pats])
     elif ref.at and in_dir(ref.at):
         kw, picked = {"data_dir": ref.at}, in_dir(ref.at)  # OpenRLHF: load_dataset(name, data_dir=X)
@@ -441,8 +434,8 @@ def _dataset_plan(snap: Snapshot) -> tuple[dict, list[str]]:
 
 
 def _subsets(snap: Snapshot, card: list[str]) -> dict[str, dict]:
-    """The subsets (configs) the dataset card declares: name -> {"data_files": {split: [patterns]}} or
-    {"data_dir": folder}."""
+    """The subsets (configs) the dataset card declares: name -> what loads it, {"data_files": {split: [patterns]}}
+    (passed instead of the name: datasets would want every subset's files), {"data_dir": folder} or {"name": it}."""
     if not card:
         return {}
     import yaml
@@ -452,13 +445,13 @@ def _subsets(snap: Snapshot, card: list[str]) -> dict[str, dict]:
     meta = yaml.safe_load(head.group(1)) if head else None
     out = {}
     for c in (meta or {}).get("configs") or []:
-        files = c.get("data_files")
-        if not files:
-            out[c.get("config_name", "default")] = {"data_dir": c.get("data_dir") or "."}
+        name, files = c.get("config_name", "default"), c.get("data_files")
+        if not files:  # the files are inferred, from its data_dir or the whole repo
+            out[name] = {"data_dir": c["data_dir"]} if c.get("data_dir") else {"name": name}
             continue
         if isinstance(files, (str, dict)) or (isinstance(files, list) and files and isinstance(files[0], str)):
             files = [{"split": k, "path": v} for k, v in files.items()] if isinstance(files, dict) else \
                 [{"split": "train", "path": files}]
-        splits = {x.get("split", "train"): [x["path"]] if isinstance(x["path"], str) else list(x["path"]) for x in files}
-        out[c.get("config_name", "default")] = {"data_files": splits}
+        out[name] = {"data_files": {x.get("split", "train"): [x["path"]] if isinstance(x["path"], str) else list(x["path"])
+                                    for x in files}}
     return out
