@@ -9,6 +9,7 @@
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
     rlhf-flows import-openrlhf FILE|- [-o OUT.yaml]        an OpenRLHF launch command or script -> stage YAML
     rlhf-flows watch URI [--once] [--interval S]           a Prefect event when data files land under URI
+    rlhf-flows plan FILE [key=value ...] [--gpu-memory-gb 80]   the ppo memory plan per phase, GPU and role
 
 `--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
 artifact, reward, generation, job) prints one line naming what failed and exits 2; `--debug` shows the
@@ -119,6 +120,42 @@ def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
     cfg = load_config(mod.Config, config, overrides, section=name)
     m = mod.run(cfg)
     print(f"{m.stage} committed at {m.uri}\nfingerprint {m.fingerprint}  rows {m.rows}\nmetrics {json.dumps(m.metrics, default=str)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def cmd_plan(config: str, overrides: list[str], gpu_gb: float, legacy: bool = False) -> int:
+    """`rlhf-flows plan`: the memory plan (rlhf_core.ppo.plan) of a ppo flow config (pretrain_uri, reward_uri,
+    its ppo: section) or a ppo stage config, for a GPU cluster (none is contacted: only each model's config.json
+    is read). Exit 2 when its peak is over gpu_gb."""
+    import yaml
+
+    from rlhf_core.ppo import plan
+    from stages import ppo
+    from stages.common import ConfigError, load_config
+
+    raw = yaml.safe_load(Path(config).read_text()) or {}
+    gpu = {"accelerator": "gpu", "ray_address": "planned-cluster:6379"}  # planned for GPUs, not this host's
+    if "run_name" in raw or "pretrain_uri" in raw:  # a flow config: its ppo section, the models it wires in
+        from flows import ppo as flow
+        from flows.calls import stage_config
+
+        p = load_config(flow.Params, config, overrides)
+        if not p.reward_uri and not (p.reward_func_file or p.reward_url):
+            raise ConfigError(f"{config}: the plan needs reward_uri (a reward model the flow would train has no "
+                              f"config.json yet)")
+        source = {"reward_model_uri": p.reward_uri} if p.reward_uri else {"reward_func_path": "planned.py"}
+        cfg = stage_config(ppo, {**p.ppo.model_dump(exclude_defaults=True), **gpu}, policy_uri=p.pretrain_uri,
+                           prompts_uri="planned", output_uri="planned", storage_options=p.storage_options, **source)
+    else:
+        cfg = load_config(ppo.Config, config, [*overrides, *(f"{k}={v}" for k, v in gpu.items())], section="ppo")
+    rms = [u.strip() for u in (cfg.reward_model_uri or "").split(",") if u.strip()]
+    critic = cfg.critic_uri or (rms[0] if rms and cfg.advantage_estimator == "gae" else None)
+    shapes = plan.shapes_of(cfg.policy_uri, rms, critic, cfg.storage_options)
+    planned = plan.plan(cfg, shapes, gpu_gb, legacy)
+    print(planned.table())
+    if not planned.fits():
+        raise plan.PlanError(planned.over())
     return 0
 
 
@@ -310,6 +347,13 @@ def parser() -> argparse.ArgumentParser:
                                                   "others prompts), prompts or preferences")
     w.add_argument("--state", help="JSON file (any fsspec URI) of the files already announced; default: under "
                                    "RLHF_FLOWS_CACHE (~/.cache/rlhf-flows)/watch/, keyed by URI")
+    pl = sub.add_parser("plan", parents=[debug], help="the ppo memory plan: what each role holds on each GPU in each "
+                        "phase (generate, train, sync) and the peak, from the models' config.json; exit 2 if over")
+    pl.add_argument("config", help="a ppo flow config (configs/reinforce_baseline_llama3_8b_hybrid.yaml) or ppo stage config")
+    pl.add_argument("overrides", nargs="*", help="key=value (e.g. pretrain_uri=DIR: a folder holding config.json)")
+    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of each GPU (GB = 2**30 bytes)")
+    pl.add_argument("--legacy-order", action="store_true", help="plan the phase order before issue 35 (learners and "
+                    "engines fully awake for the weight sync, object-store sync gathering the whole model)")
     return p
 
 
@@ -372,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             from flows import watch
 
             return watch.watch(a.uri, a.once, a.interval, watch.patterns_of(a.pattern), a.kind, a.state)
+        if a.cmd == "plan":
+            return cmd_plan(a.config, a.overrides, a.gpu_memory_gb, a.legacy_order)
         if a.cmd == "serve-rm":
             from rlhf_core.rollout.serve_rm import serve
 

@@ -48,7 +48,8 @@ from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig
 
 
-from rlhf_core.ppo.placement import CUDA_ONLY  # noqa: E402,F401  (settings only roles on GPUs run; refused elsewhere)
+from rlhf_core.ppo import plan
+from rlhf_core.ppo.placement import CUDA_ONLY, roles_on_gpus  # noqa: F401  (CUDA_ONLY: settings only GPUs run)
 
 
 class Config(StageConfig):
@@ -217,6 +218,10 @@ class Config(StageConfig):
         "are allowed), cpu, or auto: gpu when the Ray cluster advertises GPUs (ray.cluster_resources() once the "
         "stage joined ray_address; the stage's own local Ray advertises this host's). The driver's own devices "
         "never decide: a Ray Job's driver runs on the head, a Prefect worker may be a CPU box.")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of each GPU (GB = 2**30 bytes) that the "
+                                        "memory plan (rlhf_core.ppo.plan, `rlhf-flows plan`) checks the run "
+                                        "against before any role starts; default: read from a GPU of the cluster "
+                                        "(this host's when the stage starts its own Ray).")
     ray_timeout_s: float = Field(120, gt=0, description="Seconds to wait for the placement group.")
     role_timeout_s: float = Field(3600, gt=0, description="Seconds the driver waits for any role's call (a rollout, "
                                   "a forward, a training step, a weight sync, a sleep or wake-up, a checkpoint) "
@@ -229,7 +234,7 @@ class Config(StageConfig):
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-        "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
+        "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "gpu_memory_gb", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
@@ -524,6 +529,16 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.pretrain_data and cfg.ptx_coef > 0:  # PTX: tokenized here, every token is a target (pretrain_mode)
         pretrain = load_pretrain(cfg, tok, policy_dir)
 
+    # the memory plan (rlhf_core.ppo.plan): a run whose planned peak is over its GPUs' memory is refused here when
+    # their size is known (given, or this host's for the stage's own Ray), else once the cluster is joined
+    shapes = plan.shapes_of(str(policy_dir), [str(model_input(u, cfg.storage_options)[0]) for u in rms],
+                            str(model_input(critic_src, cfg.storage_options)[0]) if critic_src else None)
+    gpus, gpu_gb = roles_on_gpus(cfg), cfg.gpu_memory_gb
+    if gpus and gpu_gb is None and cfg.ray_address is None:
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / plan.GB
+    if gpus and gpu_gb:
+        plan.check(cfg, shapes, gpu_gb)
+
     # 3. train on Ray (resuming from the store's latest checkpoint), then commit
     w.begin()  # checkpoints/ is kept: a rerun resumes from it
     work = store.cache_root() / "ppo" / w.fingerprint
@@ -531,7 +546,8 @@ def run(cfg: Config) -> store.Manifest:
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir), tok, dirs, spec, work, ckpt_uri,
-                        w.fingerprint, cfg.storage_options, agent_cls, w, pretrain)  # rank 0 uploads the model into w
+                        w.fingerprint, cfg.storage_options, agent_cls, w, pretrain,  # rank 0 uploads the model into w
+                        None if gpus is not None else shapes)  # a cluster's GPUs: planned once joined
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
     history = result.pop("history")

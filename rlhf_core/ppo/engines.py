@@ -10,6 +10,7 @@ policy update. rlhf_core.ppo.weight_sync delivers them: `join_weights` once, the
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -88,10 +89,19 @@ class HFRollout:
         return peak_memory_gb()
 
     def load_weights(self, refs: list) -> int:
-        """Replace the weights in place from a state_dict in Ray's object store (refs = [ObjectRef])."""
-        self.model.load_state_dict(received_weights(refs), strict=True)
+        """Replace the weights in place from the buckets in Ray's object store (refs: one ObjectRef per bucket).
+        Every parameter must come; a tied LM head travels once, as the embedding it is."""
+        missing = self.model.load_state_dict(received_weights(refs), strict=False).missing_keys
+        tied = {n for n, p in self.model.named_parameters(remove_duplicate=False)} - dict(self.model.named_parameters()).keys()
+        if set(missing) - tied:
+            raise RuntimeError(f"the weight sync left {sorted(set(missing) - tied)[:5]} out")
         self.updates += 1
         return self.updates
+
+    def holdings(self) -> dict:
+        """Bytes on its device by the memory plan's kinds: its weights (transformers' generate keeps no KV cache
+        between calls)."""
+        return {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     @torch.no_grad()
     def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
@@ -158,7 +168,12 @@ class VLLMRollout:
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
                        enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", **gpu)
-        self.tp, self.updates, self.device = tensor_parallel_size, 0, device()
+        # a TP engine's actor reserves no GPU (its workers do): it never touches CUDA, or it would open a context
+        # on GPU 0, which belongs to another role
+        self.tp, self.updates = tensor_parallel_size, 0
+        self.device = device() if tensor_parallel_size == 1 else torch.device("cpu")
+        self.sleep_mode, self.state = cuda and enable_sleep, "awake"
+        self.weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, seed: int) -> list[list[dict]]:
@@ -178,7 +193,8 @@ class VLLMRollout:
         return res
 
     def peak_memory_gb(self) -> float:
-        return peak_memory_gb()
+        """This worker's peak, or with TP the fullest TP worker's (this actor holds no GPU)."""
+        return peak_memory_gb() if self.tp == 1 else max(self.llm.collective_rpc(_peak_memory_gb))
 
     def load_weights(self, refs: list) -> int:
         self._reload(iter(list(received_weights(refs).items())))
@@ -221,13 +237,32 @@ class VLLMRollout:
 
     def sleep(self, level: int = 1) -> None:
         """vllm_enable_sleep: release the engine's GPU memory until wake_up (vLLM's LLM.sleep: level 1 offloads
-        the weights to the CPU and drops the KV cache, level 2 drops both). No request may be in flight."""
-        self.llm.sleep(level=level)
+        the weights to the CPU and drops the KV cache, level 2 drops both). No request may be in flight. On a host
+        without CUDA (a test cluster advertising GPUs it has not) only the state the holdings report changes."""
+        if self.sleep_mode:
+            self.llm.sleep(level=level)
+        self.state = "asleep"
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """vLLM's LLM.wake_up: tags None restores everything; ["weights"] first lets a sync load new weights
-        before the KV cache comes back (["kv_cache"])."""
-        self.llm.wake_up(tags=tags)
+        """vLLM's LLM.wake_up: tags None restores everything; ["weights"] lets a sync load new weights before the
+        KV cache comes back (["kv_cache"], before the next generate): rlhf_core.ppo.plan.transitions."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=tags)
+        if tags is None or tags == ["kv_cache"] and self.state == "weights":
+            self.state = "awake"
+        elif tags == ["weights"] and self.state == "asleep":
+            self.state = "weights"
+
+    def holdings(self) -> dict:
+        """Bytes on its GPU by the memory plan's kinds, as its sleep state says: weights (the checkpoint's size,
+        over the TP ranks) unless asleep, the KV cache vLLM allocated only when fully awake."""
+        c = self.llm.llm_engine.vllm_config
+        m = c.model_config.hf_text_config
+        block = 2 * m.num_hidden_layers * getattr(m, "num_key_value_heads", m.num_attention_heads) * \
+            (getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads) * c.cache_config.block_size
+        kv = (c.cache_config.num_gpu_blocks or 0) * block * torch.finfo(c.model_config.dtype).bits // 8 // self.tp
+        return {"weights": self.weight_bytes // self.tp if self.state in ("awake", "weights") else 0,
+                "kv_cache": kv if self.state == "awake" else 0}
 
     def config(self) -> dict:
         """The engine's own settings as vLLM resolved them (what the stage's flags became)."""
@@ -251,6 +286,10 @@ class VLLMRollout:
         are read back through the layer itself: x = I gives x W^T = W^T, exact in fp32 (each output is one weight
         times 1 plus zeros)."""
         return self.llm.collective_rpc(_engine_weights)[0]
+
+
+def _peak_memory_gb(worker) -> float:
+    return peak_memory_gb()
 
 
 def _load_weights(worker, pairs) -> None:

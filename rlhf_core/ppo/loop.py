@@ -29,7 +29,7 @@ import torch
 
 from rlhf_core.rl import rl_math
 from rlhf_core.inputs import model_inputs
-from rlhf_core.ppo import node_store, placement
+from rlhf_core.ppo import node_store, placement, plan
 from rlhf_core.ppo.feed import RolloutFeed
 from rlhf_core.ppo.placement import Roles
 from rlhf_core.ppo.batches import collate
@@ -214,11 +214,13 @@ def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
 
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, tok, dirs: dict, reward_spec,
           work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None,
-          writer=None, pretrain: list[list[int]] | None = None) -> dict:
+          writer=None, pretrain: list[list[int]] | None = None, shapes: dict | None = None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` names the
     models (a local folder, or a committed artifact / plain HF folder URI each role fetches into its own node's
     cache): policy, critic (gae) or None, reference (KL term) or None, reward_model or None. `tok` is the
-    policy's tokenizer; `agent_cls` the agent file's AgentInstance (None: single turn). `work`: the driver's own
+    policy's tokenizer; `agent_cls` the agent file's AgentInstance (None: single turn). `shapes`: the models' sizes
+    (rlhf_core.ppo.plan.shapes_of) when the memory plan is still to check, against the cluster's GPUs, once joined
+    (the stage checks it itself when their size is known before). `work`: the driver's own
     scratch folder. The trained model goes to `writer` (the stage's store.ArtifactWriter): uploaded by policy
     rank 0, its files recorded in the writer; the caller commits. `pretrain`: the PTX rows' token ids (every
     policy rank draws its own micro-batches from them)."""
@@ -244,6 +246,13 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         gpus = placement.roles_on_gpus(cfg, ray.cluster_resources())
         placement.check_devices(cfg, gpus, f"the Ray cluster {'at ' + cfg.ray_address if cfg.ray_address else 'of this stage'}"
                                            f" advertises no GPU")
+        if gpus and shapes:
+            gpu_gb = cfg.gpu_memory_gb or placement.cluster_gpu_gb(cfg.ray_timeout_s)
+            if gpu_gb:
+                plan.check(cfg, shapes, gpu_gb)
+            else:
+                log.warning("ppo: no GPU of the cluster told its memory: the memory plan is not checked (set "
+                            "gpu_memory_gb)")
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
                       max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec, gpus)
         if pretrain:

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from rlhf_core.ppo.plan import bundle_plan  # noqa: F401  (which bundle each role takes: part of the memory plan)
+
 
 class RoleError(RuntimeError):
     """A role's call failed or did not answer within role_timeout_s; the message names the roles and the phase."""
@@ -82,6 +84,24 @@ def roles_on_gpus(cfg, resources: dict | None = None) -> bool | None:
     return None
 
 
+def cluster_gpu_gb(timeout_s: float) -> float | None:
+    """The memory of a GPU of the cluster joined (GB = 2**30 bytes), read by a task on one; None when no GPU
+    answers within `timeout_s` or the one that does has no CUDA (a test cluster advertising GPUs it has not)."""
+    import ray
+
+    def total():
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if torch.cuda.is_available() else None
+
+    ref = ray.remote(num_gpus=0.01, num_cpus=0)(total).remote()
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - GetTimeoutError, a worker that failed: the plan is then not checked
+        ray.cancel(ref, force=True)
+        return None
+
+
 def check_devices(cfg, gpus: bool, where: str) -> None:
     """ValueError for a CUDA-only setting when the roles run without GPUs (`where` says why that is)."""
     if gpus:
@@ -90,40 +110,6 @@ def check_devices(cfg, gpus: bool, where: str) -> None:
         if getattr(cfg, flag) != off:
             raise ValueError(f"{flag}: {_CUDA_WHY[flag]}; the roles run with no CUDA device ({where}). Remove "
                              f"the flag")
-
-
-def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
-    """(role, placement-group bundle) for every actor, in the order Roles creates them: policy ranks, critic
-    ranks, reference ranks ("reference" for one, "reference0".. for ZeRO-3 ranks: ref_num_nodes x
-    ref_num_gpus_per_node), reward, rollout engines ("rollout{j}", and "rollout{j}.tp{k}" for the bundles of
-    its tensor-parallel workers k = 1 .. vllm_tensor_parallel_size - 1, which the engine starts itself). Each
-    gets its own bundle, except (OpenRLHF's flags): colocate_all_models puts critic rank i, reference rank i,
-    the reward model and engine j's TP rank k on policy rank (i, 0 or j x TP + k) mod world's bundle (the
-    hybrid engine); colocate_actor_ref puts reference rank i on policy rank i's bundle; colocate_critic_reward
-    puts the reward model on critic rank 0's bundle."""
-    plan = [(f"policy{r}", r) for r in range(world)]
-    nxt = world
-
-    def add(name: str, shared: int | None) -> None:
-        nonlocal nxt
-        if shared is None:
-            shared, nxt = nxt, nxt + 1
-        plan.append((name, shared))
-
-    every, tp = cfg.colocate_all_models, cfg.vllm_tensor_parallel_size
-    for r in range(cworld):
-        add(f"critic{r}", r % world if every else None)
-    if reference:
-        rworld = cfg.ref_num_nodes * cfg.ref_num_gpus_per_node
-        for r in range(rworld):
-            add("reference" if rworld == 1 else f"reference{r}", r % world if every or cfg.colocate_actor_ref else None)
-    if reward:
-        critic0 = dict(plan).get("critic0")
-        add("reward", 0 if every else critic0 if cfg.colocate_critic_reward and critic0 is not None else None)
-    for j in range(cfg.vllm_num_engines):
-        for k in range(tp):
-            add(f"rollout{j}" + (f".tp{k}" if k else ""), (j * tp + k) % world if every else None)
-    return plan
 
 
 def check_resources(plan: list[tuple[str, int]], free: dict, gpu: bool, per_cpu: float) -> None:
@@ -200,7 +186,7 @@ class Roles:
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
         self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
-        self.cfg, self.hp, self.asleep, self.gpus = cfg, hp, set(), gpus
+        self.cfg, self.hp, self.state, self.gpus = cfg, hp, {}, gpus  # state: a sleeping role's (plan.role_states)
         self.timeout = cfg.role_timeout_s
         n_bundles = 1 + max(b for _, b in self.plan)
         share = [sum(b == i for _, b in self.plan) for i in range(n_bundles)]
@@ -276,23 +262,34 @@ class Roles:
         self.weights = weight_sync.connect(self, cfg)
 
     def phase(self, name: str) -> None:
-        """The driver enters phase `name` of a step: "generate" (the rollout), "train" (experience forwards and
-        updates), "sync" (new weights into the engines). The hybrid engine (OpenRLHF's colocate_all_models
-        setup) frees each role's GPU memory while the others use the GPU: deepspeed_enable_sleep puts the
-        learners to sleep (DeepSpeed's offload_states) for "generate" and wakes them for "train" (they stay
-        awake for "sync", whose weights they send); vllm_enable_sleep puts the engines to sleep (vLLM's sleep:
-        weights and KV cache released) for "train" and wakes them for "sync". Without the flags nothing happens."""
-        import ray
+        """The driver enters phase `name` of a step ("generate", "train", "sync"): the sleeping roles take the
+        states of the memory plan (rlhf_core.ppo.plan.role_states, OpenRLHF's order): with deepspeed_enable_sleep
+        the learners sleep for generate and sync and wake for train; with vllm_enable_sleep the engines sleep for
+        train, wake with their weights only for sync, and get their KV cache back for generate. Without the
+        flags nothing happens."""
+        from rlhf_core.ppo import plan
 
-        learners = [*self.policy, *self.critic] if self.hp["deepspeed_enable_sleep"] else []
-        engines = self.rollouts if self.cfg.vllm_enable_sleep else []
-        to_sleep = learners if name == "generate" else engines if name == "train" else []
-        to_wake = learners if name == "train" else engines if name in ("sync", "generate") else []
-        sleeping = [a for a in to_sleep if a not in self.asleep]
-        waking = [a for a in to_wake if a in self.asleep]
-        calls = [a.sleep.remote() for a in sleeping] + [a.wake_up.remote() for a in waking]
-        self.asleep = (self.asleep | set(to_sleep)) - set(to_wake)
-        self.wait(calls, sleeping + waking, f"entering {name}")
+        want = plan.role_states(self.cfg, name)
+        calls, who = [], []
+        if self.hp["deepspeed_enable_sleep"]:
+            for a in [*self.policy, *self.critic]:
+                if self.state.get(a, "awake") != want["learner"]:
+                    calls.append(a.sleep.remote() if want["learner"] == "asleep" else a.wake_up.remote())
+                    who.append(a)
+                    self.state[a] = want["learner"]
+        if self.cfg.vllm_enable_sleep:
+            for e in self.rollouts:
+                for method, tags in plan.transitions(self.state.get(e, "awake"), want["engine"]):
+                    calls.append(e.sleep.remote() if method == "sleep" else e.wake_up.remote(tags))
+                    who.append(e)
+                self.state[e] = want["engine"]
+        self.wait(calls, who, f"entering {name}")
+
+    def holdings(self) -> dict:
+        """role -> what it holds on its device now, by the memory plan's kinds (each role's `holdings`)."""
+        have = [a for a in self.all if hasattr(a, "holdings")]
+        return {self.name(a): h for a, h in zip(have, self.wait([a.holdings.remote() for a in have], have,
+                                                                 "reporting holdings"))}
 
     def name(self, actor) -> str:
         """The role an actor plays ("policy0", "reward", "rollout1", ...)."""

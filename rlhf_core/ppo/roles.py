@@ -80,7 +80,15 @@ class Learner:
         if hp["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_dir, self.hp = model_dir, hp
-        opt = adamw(model.parameters(), lr, hp["adam_betas"], hp["l2"])
+        if hp["deepspeed_enable_sleep"] and hp["zero_stage"] == 3 and cuda:
+            # ZeRO-3's offload_states moves the states of DeepSpeed's FusedAdam only (it asserts so), the optimizer
+            # OpenRLHF trains with; AdamW all the same
+            from deepspeed.ops.adam import FusedAdam
+
+            opt = FusedAdam(model.parameters(), lr=lr, betas=tuple(hp["adam_betas"]), weight_decay=hp["l2"],
+                            adam_w_mode=True)
+        else:
+            opt = adamw(model.parameters(), lr, hp["adam_betas"], hp["l2"])
         warm = max(1, math.ceil(hp["lr_warmup_ratio"] * total_steps))
 
         def lr_lambda(s: int) -> float:  # linear warm-up, then cosine to min_lr_ratio (OpenRLHF cosine_with_min_lr)
@@ -263,12 +271,48 @@ class Learner:
 
     # ------------------------------------------------------------------ the hybrid engine
     def sleep(self) -> None:
-        """deepspeed_enable_sleep: parameters, gradients and optimizer states to host memory while the engines
-        generate (DeepSpeed's offload_states; OpenRLHF's --deepspeed_enable_sleep)."""
-        self.engine.offload_states()
+        """deepspeed_enable_sleep: the optimizer states, fp32 master weights and gradient buffers to host memory
+        (DeepSpeed's offload_states with OpenRLHF's list, deepspeed_utils.offload_deepspeed_states): the bf16
+        weights stay, for the weight sync and the next forward. The driver calls it for generate and sync
+        (rlhf_core.ppo.plan.role_states)."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+        cuda = self.device.type == "cuda"
+        self.engine.offload_states(include=[S.optim_states, S.contiguous_grad_buffer, S.hp_params, S.lp_grads],
+                                   pin_memory=cuda, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         self.engine.reload_states()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def holdings(self) -> dict:
+        """Bytes this rank holds on its device, by the memory plan's kinds (rlhf_core.ppo.plan): weights (its
+        parameters, its partitions under ZeRO-3), optimizer (fp32 masters and Adam's moments), grads (gradients
+        and DeepSpeed's gradient buffers), each unless DeepSpeed's offload_states moved it off (the optimizer's own
+        `offloaded_states`: so on a CPU host, where host and device are one memory, the report is what a GPU would
+        hold), and gather: the largest bucket the last weight sync held gathered at once."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+        opt = self.engine.optimizer
+        off = set(getattr(opt, "offloaded_states", ()))
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))  # noqa: E731
+        params = list(self.module.parameters())
+        out = {"weights": size(getattr(p, "ds_tensor", p) for p in params)}
+        masters = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", [])
+        inner = getattr(opt, "optimizer", opt)
+        moments = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+        out["optimizer"] = (0 if S.hp_params in off else size(masters)) + (0 if S.optim_states in off else size(moments))
+        buffers = [getattr(opt, n, None) for n in ("grads_in_partition", "grad_partitions_flat_buffer",
+                                                   "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")]
+        buffers += list(getattr(opt, "ipg_buffer", None) or [])
+        grads = [p.grad for p in params] + [m.grad for m in masters]
+        out["grads"] = (0 if S.lp_grads in off else size(grads)) + (0 if S.contiguous_grad_buffer in off else size(buffers))
+        out["gather"] = getattr(self, "sync_gather", 0)
+        return out
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _gathered(self):
@@ -362,6 +406,12 @@ class Reference:
     def param_elements(self) -> int:
         """Parameter elements this rank holds (its ZeRO-3 partitions, else every parameter)."""
         return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.model.parameters())
+
+    def holdings(self) -> dict:
+        """Bytes on its device by the memory plan's kinds: its weights (partitions), none while offloaded."""
+        params = self.model.parameters()
+        return {"weights": 0 if self._offload() else sum(getattr(p, "ds_tensor", p).numel() * p.element_size()
+                                                          for p in params)}
 
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()

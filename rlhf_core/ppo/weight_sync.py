@@ -12,8 +12,8 @@
                 processes): the rank whose GPU an engine shares hands it CUDA IPC handles of each bucket
                 (torch.multiprocessing.reductions.reduce_tensor, OpenRLHF's and verl's approach); no copy leaves
                 the GPU.
-  object_store  the fallback: policy rank 0's full state_dict -> Ray's object store (as numpy arrays) -> every
-                engine.
+  object_store  the fallback: policy rank 0's weights -> Ray's object store (as numpy arrays), one bucket gathered
+                at a time (ZeRO-3), -> every engine.
 
 The engines' end (HFRollout / VLLMRollout.join_weights, receive_weights) is in engines.py and calls
 `receive` here. Every path returns the seconds of one sync; `.method` and `.bytes` name what it did.
@@ -42,9 +42,11 @@ def connect(roles, cfg):
     if cfg.vllm_num_engines == 0:
         return NoSync()
     if cfg.weight_sync_backend == "object_store":
-        return ObjectStoreSync(roles)
-    return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20,
-                          ipc=cfg.colocate_all_models and roles.gpus)  # the cluster's GPUs, not the driver's
+        return ObjectStoreSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20)
+    # CUDA IPC when an engine shares a learner's GPU: the learners' own device says (not the driver's)
+    ipc = cfg.colocate_all_models and roles.wait([roles.policy[0].__ray_call__.remote(lambda me: me.device.type)],
+                                                 roles.policy[:1], "choosing the weight path")[0] == "cuda"
+    return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20, ipc=ipc)
 
 
 class NoSync:
@@ -74,40 +76,34 @@ class CollectiveSync:
         world = 1 + len(engines)
         self._wait([roles.policy[0].weight_sync.remote("join", addr, port, world)] +
                    [e.join_weights.remote(addr, port, 1 + j, world, self.layout) for j, e in enumerate(engines)],
-                   ["policy0"] + [f"rollout{j}" for j in range(len(engines))], "joining the weight group")
+                   roles.policy[:1] + engines, "joining the weight group")
 
     def sync(self) -> float:
         """Seconds."""
         t0 = time.perf_counter()
         policy, engines = self.roles.policy, self.roles.rollouts
-        names = [f"policy{r}" for r in range(len(policy))]
         if self.method == "cuda_ipc":
-            refs = [a.weight_sync.remote("send_ipc", self.targets[r]) for r, a in enumerate(policy)]
+            refs, who = [a.weight_sync.remote("send_ipc", self.targets[r]) for r, a in enumerate(policy)], policy
         else:  # every rank takes part in the ZeRO-3 gathers; rank 0 alone sends
-            refs = [a.weight_sync.remote("send") for a in policy]
-            refs += [e.receive_weights.remote() for e in engines]
-            names += [f"rollout{j}" for j in range(len(engines))]
-        self._wait(refs, names, "a weight sync")
+            refs = [a.weight_sync.remote("send") for a in policy] + [e.receive_weights.remote() for e in engines]
+            who = policy + engines
+        self._wait(refs, who, "a weight sync")
         return time.perf_counter() - t0
 
-    def _wait(self, refs: list, names: list[str], what: str) -> list:
-        """placement.wait_all within role_timeout_s: one WeightSyncError naming every role that failed (engines
-        first) or did not answer."""
-        from rlhf_core.ppo.placement import wait_all
-
-        return wait_all(refs, names, what, self.roles.timeout,
-                        lambda msg: WeightSyncError(f"{self.method} weight sync: {msg}"))
+    def _wait(self, refs: list, actors: list, what: str) -> list:
+        """Roles.wait within role_timeout_s: one WeightSyncError naming every role that failed (engines first) or
+        did not answer."""
+        return self.roles.wait(refs, actors, what, lambda msg: WeightSyncError(f"{self.method} weight sync: {msg}"))
 
 
 class ObjectStoreSync:
-    """Policy rank 0's full state_dict -> Ray's object store -> every rollout engine, in place."""
+    """Policy rank 0's weights -> Ray's object store, one bucket at a time -> every rollout engine, in place."""
     method = "object_store"
 
-    def __init__(self, roles):
-        import ray
-
+    def __init__(self, roles, bucket_bytes: int = 256 * 2 ** 20):
         self.roles = roles
-        layout = ray.get([a.weight_sync.remote("layout", 2 ** 62) for a in roles.policy])[0]  # one bucket: every tensor
+        layout = roles.wait([a.weight_sync.remote("layout", bucket_bytes) for a in roles.policy], roles.policy,
+                            "an object-store weight sync (its buckets)", WeightSyncError)[0]
         self.bytes = sum(_numel(shape) * _dtype(dt).itemsize for b in layout for _, shape, dt in b)
 
     def sync(self) -> float:
@@ -198,24 +194,34 @@ def _gathered(learner, params: list):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
+def _walk(learner):
+    """(bucket index, its parameters, full) one bucket gathered at a time (ZeRO-3: collective on every rank). The
+    largest bucket held at once is kept as `learner.sync_gather` (bytes; the memory plan's "gather")."""
+    named = _named_params(learner)
+    learner.sync_gather = 0
+    for i, bucket in enumerate(learner._ws_layout):
+        params = [named[n] for n, _, _ in bucket]
+        with _gathered(learner, params):
+            learner.sync_gather = max(learner.sync_gather, sum(p.data.numel() * p.element_size() for p in params))
+            yield i, params
+
+
 def _buckets(learner):
     """(bucket layout, its flat buffer on rank 0 / None elsewhere), one bucket gathered at a time. Rank 0 flattens
     into one reused buffer per dtype (the largest bucket's size): allocating and faulting in a fresh one per
     bucket cost about a third of a sync at 100M parameters on CPU."""
-    named = _named_params(learner)
     bufs = learner.__dict__.setdefault("_ws_bufs", {})
-    for bucket in learner._ws_layout:
-        params = [named[n] for n, _, _ in bucket]
-        with _gathered(learner, params):
-            if learner.rank != 0:
-                yield bucket, None
-            elif len(params) == 1:  # one tensor: sent as it is, no copy
-                yield bucket, params[0].data.reshape(-1)
-            else:
-                n, dt = sum(p.data.numel() for p in params), params[0].dtype
-                if dt not in bufs or bufs[dt].numel() < n:
-                    bufs[dt] = torch.empty(n, dtype=dt, device=params[0].device)
-                yield bucket, torch.cat([p.data.reshape(-1) for p in params], out=bufs[dt][:n])  # (bucket elements,)
+    for i, params in _walk(learner):
+        bucket = learner._ws_layout[i]
+        if learner.rank != 0:
+            yield bucket, None
+        elif len(params) == 1:  # one tensor: sent as it is, no copy
+            yield bucket, params[0].data.reshape(-1)
+        else:
+            n, dt = sum(p.data.numel() for p in params), params[0].dtype
+            if dt not in bufs or bufs[dt].numel() < n:
+                bufs[dt] = torch.empty(n, dtype=dt, device=params[0].device)
+            yield bucket, torch.cat([p.data.reshape(-1) for p in params], out=bufs[dt][:n])  # (bucket elements,)
 
 
 def send(learner) -> int:
@@ -252,15 +258,6 @@ def send_ipc(learner, engines: list) -> int:
     return sent
 
 
-def _walk(learner):
-    """(bucket index, its parameters, full) one bucket gathered at a time (ZeRO-3: collective on every rank)."""
-    named = _named_params(learner)
-    for i, bucket in enumerate(learner._ws_layout):
-        params = [named[n] for n, _, _ in bucket]
-        with _gathered(learner, params):
-            yield i, params
-
-
 def ipc_handles(learner):
     """(bucket index, CUDA IPC handle of its flat buffer, bytes) per bucket, one bucket gathered at a time; a
     buffer lives until the next one is asked for, so the receiver copies it before asking."""
@@ -273,13 +270,17 @@ def ipc_handles(learner):
 
 
 def publish(learner) -> list:
-    """object_store: the full state_dict in Ray's object store, as numpy arrays (`to_wire`: one copy, into
-    shared memory; every rank gathers, rank 0 publishes). Returns [ref] (wrapped, so the caller receives the
-    reference, not the arrays)."""
+    """object_store: the weights in Ray's object store as numpy arrays (`to_wire`: one copy, into shared memory),
+    one bucket at a time: every rank takes part in each bucket's gather (ZeRO-3), rank 0 puts it. Returns rank 0's
+    refs, one per bucket (wrapped, so the caller receives the references, not the arrays)."""
     import ray
 
-    with learner._gathered():
-        return [ray.put(to_wire(learner.engine.module.state_dict()))] if learner.rank == 0 else []
+    refs = []
+    for i, params in _walk(learner):
+        if learner.rank == 0:
+            names = [n for n, _, _ in learner._ws_layout[i]]
+            refs.append(ray.put(to_wire(dict(zip(names, (p.data for p in params))))))
+    return refs
 
 
 # ---------------------------------------------------------------- the engines' end
@@ -362,9 +363,10 @@ def from_wire(sd: dict) -> dict:
 
 
 def received_weights(refs: list) -> dict:
-    """The state_dict a rollout engine loads: from Ray's object store (refs = [ObjectRef]) or given in process."""
-    if isinstance(refs[0], dict):
-        return from_wire(refs[0])
-    import ray  # only here: a role used in process (the GPU layer (a) tests) runs where Ray is not installed
+    """The state_dict a rollout engine loads: from Ray's object store (refs: one ObjectRef per bucket) or given in
+    process (dicts)."""
+    if not isinstance(refs[0], dict):
+        import ray  # only here: a role used in process (the GPU layer (a) tests) runs where Ray is not installed
 
-    return from_wire(ray.get(refs[0]))
+        refs = ray.get(list(refs))
+    return {k: v for part in refs for k, v in from_wire(part).items()}
