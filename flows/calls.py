@@ -116,15 +116,6 @@ def task_run_label(stage: str, output_uri: str) -> tuple[str, list[str]]:
     return parts[-1], [f"run:{parts[-2] if len(parts) >= 2 else parts[-1]}", f"stage:{stage}"]
 
 
-def flow_run_name() -> str:
-    """A loop's flow run is named after its run folder (`run_name`), not a random pair of words."""
-    from prefect.runtime import flow_run
-
-    p = flow_run.parameters.get("params")
-    name = p.get("run_name") if isinstance(p, dict) else getattr(p, "run_name", None)
-    return scheduled_name(str(name or "demo"))
-
-
 def scheduled_name(name: str) -> str:
     """`name` with `{scheduled}` replaced by the flow run's scheduled start (UTC, to the minute; now outside a
     flow run): a scheduled deployment's run folder per night (flows/promotion.py), the same for its retries."""

@@ -15,14 +15,14 @@ import json
 import time
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from flows import calls, promotion, table
 from flows.calls import call, settings, stage, stage_config
 from flows.credentials import use_credentials
 from flows.report import Report, training_columns
 from rlhf_core import store
-from stages.common import ConfigError
+from stages.common import ConfigError, merge
 
 
 # ---------------------------------------------------------------------------------------------- demo inputs
@@ -170,6 +170,62 @@ class LoopParams(BaseModel):
     score: ScoreSettings = Field(default_factory=ScoreSettings, description="Scoring settings.")
     filter: FilterSettings = Field(default_factory=FilterSettings, description="Filter settings.")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Evaluation settings.")
+
+
+# ---------------------------------------------------------------------------------------------- run parameters
+def deployment_merged(raw: dict) -> dict:
+    """This flow run's `params` over its deployment's, section by section (stages.common.merge); `raw` outside a
+    deployment's run. Prefect 3.7 merges them at the top level only (its server's create_flow_run_from_deployment
+    does `deployment.parameters.update(run's)` for `prefect deployment run`, the UI's form and a trigger; its
+    scheduler `{**deployment's, **schedule's}`): a run's `params` would replace the deployment's as a whole."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.exceptions import ObjectNotFound
+
+    ctx = FlowRunContext.get()
+    if not (ctx and ctx.flow_run and ctx.flow_run.deployment_id):
+        return raw
+    try:
+        with get_client(sync_client=True) as client:
+            return merge(client.read_deployment(ctx.flow_run.deployment_id).parameters.get("params") or {}, raw)
+    except ObjectNotFound:
+        calls.run_logger().warning("deployment %s is gone: this run's own params are all it has", ctx.flow_run.deployment_id)
+        return raw
+
+
+def run_params(params: LoopParams | dict, model: type[LoopParams]) -> LoopParams:
+    """The loop's parameters: a model as given (a local call, `rlhf-flows run`), else the run's `params` merged over
+    its deployment's and validated here, errors naming `params.section.field` (the loops are flows with
+    validate_parameters=False: Prefect would validate the run's partial dict before the body; its server still
+    checks keys and types against the typed schema, the UI's form). The merged dict is written back to the flow
+    run (the UI shows what ran; a Retry reruns that, whatever a redeploy changed) and into its context (for pools)."""
+    if isinstance(params, BaseModel):
+        return params
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    merged = deployment_merged(params or {})
+    try:
+        p = model.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError("invalid flow parameters:\n" + "\n".join(
+            f"  params.{'.'.join(map(str, err['loc']))}: "
+            + ("unknown field (typo?)" if err["type"] == "extra_forbidden" else err["msg"]) for err in e.errors())) from None
+    if (ctx := FlowRunContext.get()) is not None and ctx.flow_run is not None:
+        if merged != params:
+            with get_client(sync_client=True) as client:
+                client.update_flow_run(ctx.flow_run.id, parameters={**ctx.flow_run.parameters, "params": merged})
+        ctx.parameters["params"] = p
+    return p
+
+
+def flow_run_name() -> str:
+    """A loop's flow run is named after its run folder (`run_name`; the deployment's where the run does not set it)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters.get("params")
+    name = deployment_merged(p).get("run_name") if isinstance(p, dict) else getattr(p, "run_name", None)
+    return calls.scheduled_name(str(name or LoopParams.model_fields["run_name"].default))
 
 
 def setup(p: LoopParams, flow_name: str, checks: dict | None = None) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import Field, model_validator
 
-from flows import calls, common
+from flows import common
 from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core.rollout import postprocess
@@ -50,9 +50,10 @@ def checks(p: Params) -> dict:
     return {sft: p.sft_loop}
 
 
-@flow(name="conditional-sft", flow_run_name=calls.flow_run_name, log_prints=True)
+@flow(name="conditional-sft", flow_run_name=common.flow_run_name, log_prints=True, validate_parameters=False)
 def conditional_sft(params: Params) -> dict:
-    p, so = params, params.storage_options
+    p = common.run_params(params, Params)  # a deployment run's params over the deployment's
+    so = p.storage_options
     run = common.setup(p, "conditional-sft", checks(p))
     with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)

@@ -24,7 +24,7 @@ from typing import Literal
 from prefect import flow
 from pydantic import Field
 
-from flows import calls, common
+from flows import common
 from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
@@ -63,9 +63,10 @@ def checks(p: Params) -> dict:
     return {kto: p.kto} if p.trainer == "kto" else {reference: reference_settings(p), dpo: p.dpo}
 
 
-@flow(name="iterative-dpo", flow_run_name=calls.flow_run_name, log_prints=True)
+@flow(name="iterative-dpo", flow_run_name=common.flow_run_name, log_prints=True, validate_parameters=False)
 def iterative_dpo(params: Params) -> dict:
-    p, so = params, params.storage_options
+    p = common.run_params(params, Params)  # a deployment run's params over the deployment's
+    so = p.storage_options
     run = common.setup(p, "iterative-dpo", checks(p))
     with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)

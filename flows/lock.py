@@ -62,7 +62,9 @@ def crash_dead_attempts(run_name: str, root: str) -> None:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    log, me = run_logger(), ctx.flow_run.id
+    from flows.common import LoopParams
+
+    log, me, default_root = run_logger(), ctx.flow_run.id, LoopParams.model_fields["root"].default
     with get_client(sync_client=True) as client:
         running = client.read_task_runs(task_run_filter=TaskRunFilter(
             tags=TaskRunFilterTags(all_=[f"run:{run_name}"]),
@@ -71,8 +73,8 @@ def crash_dead_attempts(run_name: str, root: str) -> None:
         for tr in running:
             if tr.flow_run_id not in flow_runs:
                 flow_runs[tr.flow_run_id] = client.read_flow_run(tr.flow_run_id)
-            p = flow_runs[tr.flow_run_id].parameters.get("params") or {}
-            if str(p.get("root", "")).rstrip("/") != str(root).rstrip("/"):
+            p = flow_runs[tr.flow_run_id].parameters.get("params") or {}  # a deployment run's: merged (common.run_params)
+            if str(p.get("root", default_root)).rstrip("/") != str(root).rstrip("/"):
                 continue  # the same run name under another root
             why = f"its attempt died (flow run {tr.flow_run_id} lost its process); run {run_name} is held by this attempt now"
             client.set_task_run_state(tr.id, Crashed(message=why), force=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import Field
 
-from flows import calls, common
+from flows import common
 from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
@@ -49,9 +49,10 @@ def iteration_settings(p: Params, k: int) -> dict:
     return {**settings(p.ppo), "seed": p.ppo.seed + k - 1}
 
 
-@flow(name="ppo", flow_run_name=calls.flow_run_name, log_prints=True)
+@flow(name="ppo", flow_run_name=common.flow_run_name, log_prints=True, validate_parameters=False)
 def ppo(params: Params) -> dict:
-    p, so = params, params.storage_options
+    p = common.run_params(params, Params)  # a deployment run's params over the deployment's
+    so = p.storage_options
     run = common.setup(p, "ppo", checks(p))
     with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)

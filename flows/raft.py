@@ -18,7 +18,7 @@ from typing import Literal
 from prefect import flow
 from pydantic import Field
 
-from flows import calls, common
+from flows import common
 from flows.calls import call, settings, stage_config
 from flows.lock import run_lock
 from rlhf_core import store
@@ -47,9 +47,10 @@ def checks(p: Params) -> dict:
     return {kd: p.kd} if p.trainer == "kd" else {sft: p.sft_loop}
 
 
-@flow(name="raft", flow_run_name=calls.flow_run_name, log_prints=True)
+@flow(name="raft", flow_run_name=common.flow_run_name, log_prints=True, validate_parameters=False)
 def raft(params: Params) -> dict:
-    p, so = params, params.storage_options
+    p = common.run_params(params, Params)  # a deployment run's params over the deployment's
+    so = p.storage_options
     run = common.setup(p, "raft", checks(p))
     with run_lock(p.root, p.run_name, p.lock_lease_s, so):
         policy, reward, prompts, report = common.prepare_inputs(p, run)

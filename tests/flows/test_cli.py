@@ -21,6 +21,30 @@ COMMAND = re.compile(r"rlhf-flows ((?:demo|run|stage|show|serve-rm|gc)\b[^`#\n]*
 PLACEHOLDER = re.compile(r"^[A-Z_]+$")  # FILE, FLOW, STAGE, URI, MODEL, NAME, DIR
 
 
+HOW_TO = sorted((ROOT / "docs" / "how-to").glob("*.md"))
+PREFECT_PAGES = ("deployments.md", "triggers.md", "slurm.md")  # the how-to pages with `prefect` commands, in the order
+                                                               # tests/flows/test_deployment.py runs them
+PREFECT_LINE = re.compile(r"(?:^|\s)(prefect (?:--no-prompt )?[a-z][\w-]*\b.*)$")
+
+
+def prefect_documented(page: Path) -> list[str]:
+    """Every `prefect ...` command of a how-to page, in page order: a line of a code block (a shell line
+    continued with a backslash is one line, a trailing `# comment` is cut; under a wrapper such as `sbatch ...
+    prefect worker start ...`, the prefect command it runs) and inline code that starts with `prefect `.
+    tests/flows/test_deployment.py runs each as written against the session's `prefect server`."""
+    out, block = [], False
+    for line in re.sub(r"\s*\\\n\s*", " ", page.read_text()).splitlines():
+        if line.strip().startswith("```"):
+            block = not block
+        elif block:
+            code = re.sub(r"\s+#\s.*$", "", line).strip()
+            if not code.startswith("#") and (m := PREFECT_LINE.search(code)):
+                out.append(m.group(1).strip())
+        else:
+            out += [span.strip() for span in re.findall(r"`([^`]+)`", line) if span.startswith("prefect ")]
+    return out
+
+
 def documented() -> list[tuple[str, list[str]]]:
     """(where, argv) for every documented command line; `a | b` alternatives expanded, `[...]` dropped,
     text after two spaces (a description column) cut."""
@@ -300,3 +324,39 @@ def test_raft_with_trainer_kd_is_checked_before_any_work():
         raft.checks(raft.Params(demo=True, kd={"teacher_uri": "t"}))
     with pytest.raises(ConfigError, match=r"kd.kd_coef: Input should be less than or equal to 1"):
         load_config(raft.Params, None, {"demo": True, "trainer": "kd", "kd": {"teacher_uri": "t", "kd_coef": 1.5}})
+
+
+def test_how_to_pages_prefect_commands_are_complete_and_the_deployment_test_runs_their_pages():
+    """Each `prefect` command of a how-to page is a whole command line (a deployment named, every argument
+    given: only the placeholder SCHEDULE_ID, which the test fills in); the pages holding them are the ones
+    tests/flows/test_deployment.py runs."""
+    import shlex
+
+    found = {p.name: prefect_documented(p) for p in HOW_TO}
+    assert {name for name, cmds in found.items() if cmds} == set(PREFECT_PAGES)
+    cmds = [c for cs in found.values() for c in cs]
+    assert "prefect deployment run 'iterative-dpo/demo' --watch" in cmds and len(cmds) >= 15
+    for c in cmds:
+        argv = shlex.split(c.rstrip("& "))
+        assert argv[0] == "prefect" and not [a for a in argv if PLACEHOLDER.match(a) and a != "SCHEDULE_ID"], c
+        if argv[1:3] == ["deployment", "run"] or argv[1:3] == ["deployment", "schedule"]:
+            assert re.fullmatch(r"[\w-]+/[\w-]+", argv[3] if argv[2] == "run" else argv[4]), c
+
+
+def test_a_deployment_run_s_params_are_validated_after_the_merge_naming_the_field():
+    """flows.common.run_params: a loop's `params` as Prefect passes them (a dict: the flows take them
+    unvalidated) become the flow's model; a bad value or a typo is refused naming `params.section.field`;
+    a model (a local call, `rlhf-flows run`) is taken as it is."""
+    from flows import common
+    from stages.common import ConfigError
+
+    raft = cli._flow_module("raft")
+    p = common.run_params({"demo": True, "sft_loop": {"learning_rate": 1e-4}}, raft.Params)
+    assert isinstance(p, raft.Params) and p.sft_loop.learning_rate == 1e-4 and p.iterations == 3
+    assert common.run_params(p, raft.Params) is p
+    with pytest.raises(ConfigError) as e:
+        common.run_params({"iterations": 0, "sft_loop": {"learning_rate": -1, "lr": 2}}, raft.Params)
+    assert str(e.value).splitlines() == ["invalid flow parameters:",
+                                         "  params.iterations: Input should be greater than or equal to 1",
+                                         "  params.sft_loop.learning_rate: Input should be greater than 0",
+                                         "  params.sft_loop.lr: unknown field (typo?)"]
