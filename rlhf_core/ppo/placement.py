@@ -52,8 +52,9 @@ def _error(ref) -> str | None:
     try:
         ray.get(ref, timeout=0)
         return None
-    except Exception as e:  # RayActorError (the actor died), RayTaskError (it raised)
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    except Exception as e:  # RayActorError (the actor died), RayTaskError (it raised: its last line is the cause)
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return f"{type(e).__name__}: {lines[0][:200]}" + (f" ... {lines[-1].strip()[:300]}" if len(lines) > 1 else "")
 
 
 # Settings only roles on GPUs can run, with their off values: elsewhere each is refused, naming the flag and why.
@@ -320,10 +321,16 @@ class Roles:
         return out
 
     def close(self) -> None:
+        """Kill the actors and remove the placement groups, waiting (30 s at most) until Ray has them removed: the
+        next stage on the same cluster (a flow's next iteration) counts on their GPUs and CPUs being free."""
         import ray
+        from ray.util import placement_group_table
         from ray.util.placement_group import remove_placement_group
 
         for a in self.all:
             ray.kill(a)
         for pg in self.pgs:
             remove_placement_group(pg)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(placement_group_table(pg)["state"] != "REMOVED" for pg in self.pgs):
+            time.sleep(0.1)

