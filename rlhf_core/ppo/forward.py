@@ -23,9 +23,9 @@ def policy_logprobs(model, batch: dict, temperature: float = 1.0, entropy: str |
 def critic_values(model, batch: dict) -> torch.Tensor:
     """Per-token values # (B, L - 1) from a sequence-classification model's score head applied to every
     hidden state: the value of the state before token t + 1 sits in column t, as the log-probs do."""
-    core = getattr(model, model.base_model_prefix)
-    h = core(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).last_hidden_state  # (B, L, H)
-    return model.score(h).squeeze(-1)[:, :-1].float()
+    core = getattr(model, model.base_model_prefix)  # through the top module: ZeRO-3 prefetches (logprobs.through_top)
+    return logprobs.through_top(model, lambda: model.score(core(
+        input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).last_hidden_state).squeeze(-1)[:, :-1].float())
 
 
 def _packed(batch: dict):
@@ -69,8 +69,8 @@ def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entro
 
     if kind == "critic":
         core = getattr(model, model.base_model_prefix)
-        h = core(**kw, use_cache=False).last_hidden_state  # (1, N, H)
-        return unpack(model.score(h).squeeze(-1)[:, :-1].float()), None, pb.input_ids.numel()
+        v = logprobs.through_top(model, lambda: model.score(core(**kw, use_cache=False).last_hidden_state))  # (1, N, 1)
+        return unpack(v.squeeze(-1)[:, :-1].float()), None, pb.input_ids.numel()
     mask = batch.get("mask")
     pmask = torch.zeros((1, pb.input_ids.shape[1] - 1), device=dev)
     pmask[0, flat] = mask[rows, cols].float() if mask is not None else 1.0

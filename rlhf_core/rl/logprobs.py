@@ -20,6 +20,24 @@ from torch.utils.checkpoint import checkpoint
 CHUNK = 1024  # positions per LM-head chunk: (1024, 152k) fp32 logits = 0.6 GB at Qwen2's vocabulary
 
 
+def through_top(model, fn):
+    """fn() run as the forward of `model` (an HF model, PEFT-wrapped or not), so the hooks on the top module run:
+    DeepSpeed ZeRO-3 resets its parameter coordinator's step in the top module's forward pre-hook, and only a
+    trace recorded between two such resets is replayed to prefetch each layer's gather ahead of its use. A
+    forward that calls the backbone and the head apart never resets it: the trace stays INVALID and every
+    gather waits on the critical path (issue 35 item 6). The instance's own `forward` (accelerate's hooks set
+    one) is put back afterwards."""
+    own = model.__dict__.get("forward")
+    model.forward = fn  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    try:
+        return model()
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
 def _head_logits(head, config, h: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 logits of the tempered policy for hidden states # (N, H) -> # (N, V)."""
     logits = head(h).float()
@@ -51,6 +69,10 @@ def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Ten
     e.g. logits [0, ln 3] at T 1 for target 1: log(3/4) = -0.2877; at T 0.5: logits [0, 2 ln 3] -> log(9/10).
     Packed rows (samples one after another, rlhf_core.train.batches): `attn` is the prepared layout mask
     (attention.model_inputs) and `position_ids` restart at each sample."""
+    return through_top(model, lambda: _token_logprobs(model, ids, attn, mask, temperature, entropy, chunk, position_ids))
+
+
+def _token_logprobs(model, ids, attn, mask, temperature, entropy, chunk, position_ids):
     body = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
     pos = {} if position_ids is None else {"position_ids": position_ids}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.rl import losses
+from rlhf_core.rl import logprobs, losses
 from rlhf_core.train import adamw, checkpoints, no_lone_allreduce, ring, schedule
 from rlhf_core.train import attention
 from rlhf_core.train import memory, moe
@@ -127,8 +127,8 @@ def target_logits(engine, b) -> torch.Tensor:
     parts = _parts(model)
     if parts is None:
         return engine(**kw).logits[rows, cols]  # (N, V)
-    backbone, head = parts
-    return head(backbone(**kw).last_hidden_state[rows, cols])  # (N, V)
+    backbone, head = parts  # called inside the top module's forward: ZeRO-3 prefetches (logprobs.through_top)
+    return logprobs.through_top(model, lambda: head(backbone(**kw).last_hidden_state[rows, cols]))  # (N, V)
 
 
 def target_logps(engine, b) -> torch.Tensor:

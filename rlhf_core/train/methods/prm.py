@@ -89,6 +89,7 @@ def reward_logits(model, seqs: list[list[int]], pad_id: int, placeholder_id: int
     """Logits over the reward tokens at every placeholder # (N, K), and the sample of each # (N,), in order of
     samples then positions. `model`: a DeepSpeed engine, a (PEFT-wrapped) HF causal LM. The LM head runs on the
     placeholder rows only (entry._parts), with the full forward where the head is not a plain projection."""
+    from rlhf_core.rl import logprobs
     from rlhf_core.train import attention
     from rlhf_core.train.batches import collate
     from rlhf_core.train.entry import _parts
@@ -100,12 +101,13 @@ def reward_logits(model, seqs: list[list[int]], pad_id: int, placeholder_id: int
     at = (b.input_ids == placeholder_id) & (b.segment < b.n)  # # (R, T), padding excluded (pad may equal it)
     rows, cols = at.nonzero(as_tuple=True)
     parts = _parts(inner)
+    rows, cols = rows.to(dev), cols.to(dev)
     if parts is None:
-        logits = model(**kw).logits[rows.to(dev), cols.to(dev)]  # (N, V)
-    else:
+        logits = inner(**kw).logits[rows, cols]  # (N, V)
+    else:  # inside the top module's forward: ZeRO-3 prefetches (logprobs.through_top)
         backbone, head = parts
-        logits = head(backbone(**kw).last_hidden_state[rows.to(dev), cols.to(dev)])  # (N, V)
-    return logits[:, reward_ids].float(), b.segment[rows, cols].to(dev), b.real_tokens
+        logits = logprobs.through_top(inner, lambda: head(backbone(**kw).last_hidden_state[rows, cols]))  # (N, V)
+    return logits[:, reward_ids].float(), b.segment.to(dev)[rows, cols], b.real_tokens
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from rlhf_core.rl import losses
+from rlhf_core.rl import logprobs, losses
 from rlhf_core.train import attention
 from rlhf_core.train.entry import batch_of
 
@@ -23,9 +23,10 @@ def rewards(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     model = getattr(engine, "module", engine)
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = getattr(core, core.base_model_prefix)  # the mask as every method builds it (eager needs an additive one)
-    h = body(**attention.model_inputs(body, b, dev), use_cache=False).last_hidden_state
-    last = b.last.to(dev)
-    return core.score(h[last[:, 0], last[:, 1]]).squeeze(-1).float(), b.real_tokens
+    kw, last = attention.model_inputs(body, b, dev), b.last.to(dev)
+    # through the top module (the engine's): ZeRO-3 prefetches (logprobs.through_top)
+    r = logprobs.through_top(model, lambda: core.score(body(**kw, use_cache=False).last_hidden_state[last[:, 0], last[:, 1]]))
+    return r.squeeze(-1).float(), b.real_tokens
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):
