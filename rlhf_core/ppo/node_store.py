@@ -7,11 +7,14 @@ shared disk, as the training jobs of rlhf_core.train.entry):
   checkpoints  every learner rank saves its own DeepSpeed files (rank 0 the module states, every rank its ZeRO
                shard) into its node's cache and uploads them itself to `{ckpt_uri}/{tag}/{actor|critic}/`; the
                driver commits the marker naming every rank's files (rlhf_core.train.checkpoints.commit) only after
-               all uploads returned. On resume every rank downloads its group's files into its own cache and
-               verifies their sha256 before any rank loads.
-  final model  every rank takes part in the gather, rank 0 writes the HF folder into its node's cache and, once
-               the driver has noted the names in the artifact's journal, uploads it under the stage's output
-               prefix; the stage commits from the store (the driver never holds a copy).
+               all uploads returned. On resume every rank downloads only the files it loads (its own ZeRO
+               partition and the shared module states: checkpoints.rank_files) into its own cache and verifies
+               their sha256 before any rank loads.
+  final model  one bucket of weight_sync_bucket_mb gathered at a time (every rank takes part under ZeRO-3), rank 0
+               writing each as a safetensors shard into its node's cache as it comes (no rank holds the model
+               on the host: the others only gather), then, once the driver has noted the names in the artifact's
+               journal, uploading the HF folder under the stage's output prefix; the stage commits from the
+               store (the driver never holds a copy). save_hf_ckpt folders the same way.
 
 The driver passes the store's options (never secrets: store.check_no_secrets) and its run lock's fence to every
 actor through `actor_env`. RLHF_FLOWS_ROLE_CACHES=<dir> in the driver's environment gives each role's actor its
@@ -126,7 +129,7 @@ def load_checkpoint(learner, meta: dict, fetch: bool = False) -> str | None:
     local = _rank_dir(learner, "resume", meta["uri"])
     if fetch:
         shutil.rmtree(local, ignore_errors=True)
-        mine = [f for f in meta["files"] if f["path"].startswith(_group(learner) + "/")]
+        mine = checkpoints.rank_files(meta["files"], _group(learner) + "/", learner.rank)  # its own, not every rank's
         try:
             checkpoints.download({**meta, "files": mine}, local, storage_options())
         except checkpoints.CheckpointError as e:
@@ -161,12 +164,38 @@ def save_model(learner, out_uri: str, sub: str = "", upload: bool = False) -> li
                 files.append({"path": rel, "size": p.stat().st_size})
         shutil.rmtree(local, ignore_errors=True)
         return files
+    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    sd = learner._full_state_dict()
+    from rlhf_core.ppo import weight_sync
+
+    module = learner.engine.module
+    shards = weight_sync.buckets(learner, learner.hp["weight_sync_bucket_mb"] * 2 ** 20)
+    if learner.rank == 0:
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    index, total = {}, 0
+    for i, params in weight_sync._walk(learner, shards):  # every rank: its part of each gather; rank 0 writes it
+        if learner.rank == 0:
+            names = [n for n, _, _ in shards[i]]
+            save_file({n: p.data.detach().to("cpu").contiguous() for n, p in zip(names, params)},
+                      str(local / files[i]), metadata={"format": "pt"})
+            index.update(dict.fromkeys(names, files[i]))
+            total += sum(p.data.numel() * p.element_size() for p in params)
     if learner.rank != 0:
         return []
-    shutil.rmtree(local, ignore_errors=True)
-    learner.engine.module.save_pretrained(str(local), state_dict=sd, safe_serialization=True)
+    persistent = module.state_dict(keep_vars=True)  # buffers the checkpoint keeps (none in the usual decoders)
+    buffers = {n: b.detach().cpu().contiguous() for n, b in module.named_buffers() if n in persistent}
+    if buffers:
+        save_file(buffers, str(local / "buffers.safetensors"), metadata={"format": "pt"})
+        index.update(dict.fromkeys(buffers, "buffers.safetensors"))
+    if len(files) > 1 or buffers:
+        (local / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                        "weight_map": index}, indent=1))
+    module.config.save_pretrained(str(local))
+    if getattr(module, "generation_config", None) is not None and module.can_generate():
+        module.generation_config.save_pretrained(str(local))
     AutoTokenizer.from_pretrained(learner.model_dir).save_pretrained(str(local))
     return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())

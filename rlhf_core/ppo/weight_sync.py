@@ -151,8 +151,14 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def layout(learner, bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
-    """The buckets, in parameter order: [[(name, shape, dtype)]]; a bucket holds one dtype and at most
-    bucket_bytes (a larger parameter travels alone). Each rank computes the same; the engines get rank 0's."""
+    """The weight sync's buckets (`buckets`), kept as the learner's `_ws_layout`; the engines get rank 0's."""
+    learner._ws_layout = buckets(learner, bucket_bytes)
+    return learner._ws_layout
+
+
+def buckets(learner, bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
+    """The parameters in buckets, in parameter order: [[(name, shape, dtype)]]; a bucket holds one dtype and at
+    most bucket_bytes (a larger parameter travels alone). Each rank computes the same."""
     buckets, size, dtype = [], 0, None
     for name, p in _named_params(learner).items():
         shape, nbytes = _shape(p), _numel(_shape(p)) * p.element_size()
@@ -161,7 +167,6 @@ def layout(learner, bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
             size, dtype = 0, p.dtype
         buckets[-1].append((name, shape, str(p.dtype)))
         size += nbytes
-    learner._ws_layout = buckets
     return buckets
 
 
@@ -229,12 +234,13 @@ def _gathered(learner, params: list):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def _walk(learner):
-    """(bucket index, its parameters, full) one bucket gathered at a time (ZeRO-3: collective on every rank). The
-    largest bucket held at once is kept as `learner.sync_gather` (bytes; the memory plan's "gather")."""
+def _walk(learner, layout: list | None = None):
+    """(bucket index, its parameters, full) one bucket of `layout` (default the weight sync's) gathered at a time
+    (ZeRO-3: collective on every rank). The largest bucket held at once is kept as `learner.sync_gather` (bytes;
+    the memory plan's "gather")."""
     named = _named_params(learner)
     learner.sync_gather = 0
-    for i, bucket in enumerate(learner._ws_layout):
+    for i, bucket in enumerate(learner._ws_layout if layout is None else layout):
         params = [named[n] for n, _, _ in bucket]
         with _gathered(learner, params):
             learner.sync_gather = max(learner.sync_gather, sum(p.data.numel() * p.element_size() for p in params))

@@ -130,6 +130,24 @@ def download(meta: dict, local_dir: str | Path, storage_options: dict | None = N
     return dest
 
 
+def rank_files(files: list[dict], prefix: str, rank: int) -> list[dict]:
+    """The entries under `prefix` (one group's folder of a checkpoint marker, e.g. "actor/") that data-parallel
+    rank `rank` loads: the module states every rank reads (DeepSpeed's mp_rank_00_model_states.pt) and its own
+    ZeRO partition (zero_pp_rank_{rank}_*: its optimizer states, and under ZeRO-3 its module partition). DeepSpeed
+    loads no other rank's partition (engine._get_all_zero_checkpoint_state_dicts reads the current rank's file
+    only, elastic checkpoints aside), nor the scripts it copies beside them (zero_to_fp32.py)."""
+    import re
+
+    out = []
+    for f in files:
+        name = f["path"].rsplit("/", 1)[-1]
+        if f["path"].startswith(prefix) and name.endswith(".pt"):
+            other = re.search(r"zero_pp_rank_(\d+)_", name)
+            if other is None or int(other.group(1)) == rank:
+                out.append(f)
+    return out
+
+
 def resume_point(root_uri: str, fingerprint: str, local_dir: str | Path,
                  storage_options: dict | None = None, fetch=None) -> tuple[dict | None, Path | None]:
     """The newest checkpoint that verifies (marker, sizes, every sha256), downloaded: a corrupt one is logged
