@@ -80,7 +80,9 @@ class Config(StageConfig):
     generate_max_len: int = Field(64, ge=1, description="Max new tokens per sample.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature. Every log-prob (rollout, old policy, "
                                "reference, training, entropy) is of the tempered policy softmax(logits / T), as OpenRLHF "
-                               "divides the logits; top_p / top_k truncation is not applied to them.")
+                               "divides the logits. The trainer's (old policy, reference, training, entropy) apply no "
+                               "top_p / top_k truncation (as OpenRLHF's and verl's); the rollout's do with vllm (its "
+                               "processed_logprobs: the truncated distribution that sampled), not with hf.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off.")
     actor_learning_rate: float = Field(1e-6, gt=0)

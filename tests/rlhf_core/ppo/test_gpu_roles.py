@@ -279,23 +279,27 @@ def test_grpo_steps_in_process_raise_the_demo_reward(tiny, learner_env):
 
 
 # ---------------------------------------------------------------------------------------------- hybrid engine, offload
-def test_learner_sleeps_and_wakes_around_a_step(tiny, learner_env):
-    """deepspeed_enable_sleep (Roles.phase): offload_states moves the learner's parameters, gradients and ZeRO
-    optimizer states to the host (the CUDA allocator holds less afterwards), reload_states brings them back,
-    and the step after the reload leaves the same weights as the same step without sleeping (bit for bit)."""
-    settings = hp(zero_stage=2, actor_learning_rate=1e-3)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_learner_sleeps_and_wakes_around_a_step(tiny, learner_env, stage):
+    """deepspeed_enable_sleep (Roles.phase, OpenRLHF's offload list): offload_states moves the optimizer states, fp32
+    master weights and gradient buffers to the host (the CUDA allocator holds less, the holdings report no
+    optimizer states) while the bf16 weights stay for the weight sync; reload_states brings them back, and the
+    step after leaves the same weights as the same step without sleeping (bit for bit). ZeRO-3 trains with
+    DeepSpeed's FusedAdam here (its offload_states moves only that optimizer's states)."""
+    settings = hp(zero_stage=stage, actor_learning_rate=1e-3, deepspeed_enable_sleep=True)
     batch = experience()
     ref = make_learner("policy", tiny.policy_dir, settings)
     ref.train(batch, 0.0)
     learner = make_learner("policy", tiny.policy_dir, settings)
     learner.train(batch, 0.0)  # Adam's states exist from here on
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before, held = torch.cuda.memory_allocated(), learner.holdings()
     learner.sleep()
-    torch.cuda.synchronize()
-    asleep = torch.cuda.memory_allocated()
+    asleep, held_asleep = torch.cuda.memory_allocated(), learner.holdings()
     learner.wake_up()
     assert asleep < before, (asleep, before)
+    assert held["optimizer"] > 0 and held_asleep["optimizer"] == 0 and held_asleep["weights"] == held["weights"] > 0
+    assert_on_gpu_in_bf16(learner.module)
     ref.train(batch, 0.0)
     learner.train(batch, 0.0)
     a, b = ref._full_state_dict(), learner._full_state_dict()
