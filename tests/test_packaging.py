@@ -61,7 +61,8 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
 
 def cuda_only_refused_here(mod, flow: str, params):
     """A GPU config (ppo settings of stages.ppo.CUDA_ONLY) on a host without CUDA: refused, naming the flag and the
-    device; returned with those settings off, for the rest to validate."""
+    device; returned planned for a GPU cluster instead (accelerator gpu, a ray_address: the settings stay as
+    written, so the colocation rules see the real layout), for the rest to validate."""
     from flows import common
     from stages.common import ConfigError
     from stages.ppo import CUDA_ONLY
@@ -72,7 +73,8 @@ def cuda_only_refused_here(mod, flow: str, params):
         return params
     with pytest.raises(ConfigError, match=rf"({'|'.join(given)}).*no CUDA device"):
         common.validate(params, flow, mod.checks(params))
-    return params.model_copy(update={"ppo": ppo.model_copy(update={k: CUDA_ONLY[k] for k in given})})
+    return params.model_copy(update={"ppo": ppo.model_copy(update={"accelerator": "gpu",
+                                                                   "ray_address": "gpu-cluster:6379"})})
 
 
 def test_every_shipped_config_is_a_valid_flow_or_stage_config():
