@@ -76,7 +76,7 @@ def openrlhf_flags() -> dict[tuple[str, str], list[str]]:
     from flows import openrlhf_import as imp
 
     parsers = json.loads((ROOT / "docs" / "openrlhf_flags.json").read_text())  # module -> {flat: [names]}
-    tables = [(imp.FLAGS[m], sections[0], parsers[m]) for m, sections in imp.STAGES.items()]
+    tables = [(imp.FLAGS[m], sections[0], parsers.get(m, {})) for m, sections in imp.STAGES.items()]
     tables += [(imp.FLAGS[task], task, parsers["batch_inference"]) for task in ("generate", "score")]
     dotted = defaultdict(list)
     for new, flat in imp.DOTTED.items():

@@ -18,6 +18,20 @@ class No(str):
     """A flag without a counterpart here: the string is the reason, printed in the YAML's header."""
 
 
+class NoCounterpart(ValueError):
+    """Raised by a converter for a value without a counterpart (the flag is listed with the message)."""
+
+
+class Fixed(No):
+    """The stage always behaves as the flag set to `value` (no key): listed as holding here; another value is
+    listed as having no counterpart (why). A No to whatever only asks which keys a rule sets (docs/gen_settings.py)."""
+
+    def __new__(cls, value: Any, why: str):
+        rule = super().__new__(cls, why)
+        rule.value, rule.why = value, why
+        return rule
+
+
 # ---------------------------------------------------------------------------------------------- converters
 def steps(v):  # OpenRLHF -1 = never; here 0
     return 0 if int(v) < 0 else int(v)
@@ -37,8 +51,18 @@ def reward_source(v):  # --remote_rm_url: a Python file of reward_func, or an HT
     return {"reward_func_path" if v.endswith(".py") else "remote_rm_url": v}
 
 
+def icepop(v):  # OpenRLHF's vLLM IS correction type: tis clamps the ratio, icepop zeroes it outside the range
+    if v not in ("tis", "icepop"):
+        raise NoCounterpart(f"{v}: TIS (clamp) and ICEPOP (zero outside the threshold) only")
+    return v == "icepop"
+
+
+def backend(v):  # batch_inference --eval_task: generate (transformers) or generate_vllm
+    return "vllm" if v == "generate_vllm" else "hf"
+
+
 CONVERTERS = {"steps": steps, "param_dtype": param_dtype, "sync_backend": sync_backend, "text": str,
-              "reward_source": reward_source}
+              "reward_source": reward_source, "icepop": icepop, "backend": backend}
 
 
 def rule(spec) -> Any:
@@ -54,7 +78,10 @@ def rule(spec) -> Any:
         return spec["key"], lambda v: const
     if set(spec) == {"key", "as"}:
         return spec["key"], CONVERTERS[spec["as"]]
-    raise ValueError(f"flows/openrlhf_flags.yaml: a rule is KEY, [KEYS], {{not_here}}, {{as}}, {{key, as}} or {{key, value}}: {spec!r}")
+    if set(spec) == {"fixed", "why"}:
+        return Fixed(spec["fixed"], spec["why"])
+    raise ValueError(f"flows/openrlhf_flags.yaml: a rule is KEY, [KEYS], {{not_here}}, {{fixed, why}}, {{as}}, "
+                     f"{{key, as}} or {{key, value}}: {spec!r}")
 
 
 def table(name: str) -> dict[str, Any]:
@@ -67,7 +94,41 @@ DOTTED: dict[str, str] = DATA["dotted"]
 FLAGS: dict[str, dict[str, Any]] = {name: table(name) for name in DATA["tables"] if name not in ("common", "train")}
 LAUNCHER: dict[str, Any] = {flag: rule(r) for flag, r in DATA["launcher"].items()}
 STAGES: dict[str, list[str]] = DATA["stages"]
-DEFAULTS: dict[str, dict[str, Any]] = DATA["defaults"]
+DEFAULTS: dict[str, dict[str, dict[str, Any]]] = DATA["defaults"]  # version -> module -> {flat flag: value}
+DEFAULT_WHEN: dict[str, str] = DATA["default_when"]
+VLM_FLAGS: list[str] = DATA["vlm_flags"]
+SERVE_RM: dict[str, Any] = {flag: rule(r) for flag, r in DATA["serve_rm"].items()}
+SERVE_RM_DEFAULTS: dict[str, Any] = DATA["serve_rm_defaults"]
+PARSERS: dict[str, set[str]] = {m: set(names) for m, names in DATA["parsers"].items()}
+
+
+def unknown_flag(module: str, name: str) -> str | None:
+    """Why a flag without a rule has none, when OpenRLHF's own parser does not know it either."""
+    import difflib
+
+    if module not in PARSERS or name in PARSERS[module]:
+        return None
+    near = difflib.get_close_matches(name, PARSERS[module], n=1, cutoff=0.75)
+    return (f"not a flag of OpenRLHF's {module} (its parser refuses the command)"
+            + (f"; --{near[0]}?" if near else ""))
+
+
+def version_of(module: str, dotted: bool) -> str:
+    """The OpenRLHF version whose defaults a command gets (see the `defaults` comment of the YAML)."""
+    if module not in DEFAULTS["v0.11.0"] and module in DEFAULTS["v0.9.5"]:
+        return "v0.9.5"
+    return "v0.11.0" if dotted else "v0.9.10"
+
+
+def defaults(module: str, dotted: bool, written: set[str]) -> list[tuple[str, Any]]:
+    """(flag, OpenRLHF's default) for the flags a command omits, each applying under its DEFAULT_WHEN."""
+    out = []
+    for flag, value in DEFAULTS[version_of(module, dotted)].get(module, {}).items():
+        when = DEFAULT_WHEN.get(flag, "")
+        if flag in written or (when[:1] == "+" and when[1:] not in written) or (when[:1] == "-" and when[1:] in written):
+            continue
+        out.append((flag, value))
+    return out
 
 
 def flat_name(flag: str) -> str:

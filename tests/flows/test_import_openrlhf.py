@@ -1,99 +1,298 @@
-"""`rlhf-flows import-openrlhf`: OpenRLHF's own documented commands (tests/flows/openrlhf_commands/, each file
-citing its source and commit) become stage YAML that validates against the stage Configs, every flag of the
-command is either a commented key or listed with its reason, both dialects give the same YAML, bad input is
-one error line, and an imported SFT, DPO and PPO command, scaled down with the tiny offline models, run
-and commit."""
+"""`rlhf-flows import-openrlhf`: every example script OpenRLHF ships that launches `openrlhf.cli.*` (at v0.11.0,
+v0.10.1 and v0.9.10, and v0.9.5's kto / kd / prm / csft / iterative-DPO / rejection-sampling scripts; copies in
+tests/flows/openrlhf_commands/TAG/, each citing its source path, tag and commit) imports into a stage or flow
+config that validates, or is refused in one line with the true reason; every flag of every command is a
+commented key or listed with its reason; OpenRLHF's defaults of the script's version are carried; bad input is
+one error line; an imported SFT, DPO and PPO command, scaled down with the tiny offline models, run and commit."""
 from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
 from flows import cli, openrlhf_import as imp
+from flows.openrlhf_shell import find_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ROOT / "tests" / "flows" / "openrlhf_commands"
-FILES = sorted(COMMANDS.glob("*.sh"))
+TAGS = {"v0.11.0": "3c3be6234e0cb353e76bb8019947db9dfe99fca7", "v0.10.1": "33f9d72fbac7ada09979fd0873c27b1cca0cc0e1",
+        "v0.9.10": "6f58d4183dfa2ff2de396f856350ed4aca395645", "v0.9.5": "c0e2ee2473cd115863630599cc3d51917d4b7c3e"}
+SCRIPTS = sorted(COMMANDS.glob("v*/*.sh"))
+SERVE = "rlhf-flows serve-rm OpenRLHF/Llama-3-8b-rm-700k --port 5000 --max-len 8192 --batch-size 16 --host 0.0.0.0 --value-head-prefix score"
+# What each script becomes: its sections (a stage chain), "flow NAME", or "refused: TEXT" (the one error line).
+EXPECTED = {
+    "serve_remote_rm.sh": f"refused: serves a reward model over HTTP (a server, not a stage): run `{SERVE}`",
+    "train_dapo_ray_hybrid_engine.sh": ["ppo"], "train_dpo_llama.sh": ["prepare", "reference", "dpo"],
+    "train_nonrl_slurm.sh": ["prepare", "reference", "dpo"], "train_ppo_ray_hybrid_engine.sh": ["ppo"],
+    "train_ppo_ray_slurm.sh": ["ppo"], "train_ppo_with_reward_fn.sh": ["ppo"], "train_prorlv2_math_hybrid_engine.sh": ["ppo"],
+    "train_reinforce_baseline_hybrid_engine.sh": ["ppo"], "train_reinforce_baseline_ray_agent_async.sh": ["ppo"],
+    "train_rm.sh": ["train_rm"], "train_sft.sh": ["sft"],
+    "train_sft_mixtral_lora.sh": "refused: sft: LoRA with zero_stage 3 is not supported: use zero_stage 2",
+    "train_vlm_math_hybrid_engine.sh": "refused: is a vision-language run",
+    "train_conditional.sh": ["prepare", "score", "filter", "sft"], "train_iterative_dpo.sh": "flow iterative-dpo",
+    "train_knowledge_distillation.sh": ["kd"], "train_kto_llama.sh": ["kto"], "train_prm_mistral.sh": ["train_prm"],
+    "train_rejection_sampling_llama.sh": "flow raft",
+}
+
+
+REMOVED = ("train_kto", "train_kd", "train_prm", "batch_inference")  # modules OpenRLHF dropped after v0.9.5
 
 
 def imported(name: str) -> tuple[str, dict]:
-    text = imp.import_text((COMMANDS / name).read_text(), name)
+    path = COMMANDS / name
+    text = imp.import_text(path.read_text(), name, path.parent)
     return text, yaml.safe_load(text)
 
 
 def host_refused(text: str) -> set[tuple[str, str]]:
     """(section, key) the header names as refused on this host only (no CUDA device)."""
-    block = text.split("these keys are refused", 1)[1].split("\n# openrlhf", 1)[0] if "keys are refused" in text else ""
-    return {tuple(m.split(".")) for m in re.findall(r"^#   (\w+\.\w+):", block, re.M)}
+    m = re.search(r"these keys are refused.*\n((?:#   .*\n)*)", text)
+    return set(re.findall(r"^#   (\w+)\.(\w+)$", m.group(1), re.M)) if m else set()
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_each_documented_command_converts_validates_and_drops_no_flag(path):
-    text, data = imported(path.name)
-    refused = host_refused(text)
-    commands = imp.find_commands(path.read_text())
-    assert commands, path.name
-    for cmd in commands:
-        for section in imp.convert(cmd).sections:
-            keys = {k: v for k, v in data[section].items() if (section, k) not in refused}
-            imp.config_class(section).model_validate(keys)  # the printed YAML loads as the stage's config
-        for flag, _ in [*cmd.launcher, *cmd.flags]:  # each flag: a key's comment or a listed reason
-            assert re.search(rf"(# |#   )--{re.escape(flag)}( |$|:)", text, re.M), f"{path.name}: --{flag} dropped"
-    assert all(line.startswith("#") or line.startswith(" ") or line.endswith(":") for line in text.splitlines() if line)
+def listed(text: str) -> list[str]:
+    return re.findall(r"^#   (--.*)$", text, re.M)
 
 
-@pytest.mark.parametrize("flat,dotted", [("train_sft_v0.9.10.sh", "train_sft_v0.11.0.sh"),
-                                         ("train_dpo_v0.9.10.sh", "train_dpo_v0.11.0.sh"),
-                                         ("train_rm_v0.9.10.sh", "train_rm_v0.11.0.sh"),
-                                         ("train_ppo_ray_v0.9.10.sh", "train_ppo_ray_v0.11.0.sh"),
-                                         ("readme_ppo_v0.9.10.sh", "readme_ppo_v0.11.0.sh")])
-def test_both_dialects_give_the_same_yaml(flat, dotted):
-    (t9, a), (t11, b) = imported(flat), imported(dotted)
+def test_the_copies_are_every_script_of_every_tag():
+    """47 scripts (34 distinct: v0.10.1's are v0.9.10's but for its VLM one); each copy's first line names
+    OpenRLHF's path, the tag and its commit, and below it the script as OpenRLHF has it."""
+    per_tag = {tag: sorted(p.name for p in SCRIPTS if p.parent.name == tag) for tag in TAGS}
+    assert {t: len(n) for t, n in per_tag.items()} == {"v0.11.0": 14, "v0.10.1": 14, "v0.9.10": 13, "v0.9.5": 6}
+    assert set(per_tag["v0.11.0"]) - set(per_tag["v0.9.10"]) == {"train_vlm_math_hybrid_engine.sh"}
+    assert len({p.read_text().split("\n", 1)[1] for p in SCRIPTS}) == 34
+    for p in SCRIPTS:
+        head, body = p.read_text().split("\n", 1)
+        assert head == f"# OpenRLHF examples/scripts/{p.name} at {p.parent.name} (commit {TAGS[p.parent.name]}), " \
+                       "verbatim below this header (OpenRLHF is Apache-2.0).", p
+        assert "openrlhf.cli." in body or "source ./${training_script}" in body, p
+    assert set(EXPECTED) == {p.name for p in SCRIPTS}
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_script_imports_or_is_refused_in_one_line_and_drops_no_flag(path):
+    """The outcome EXPECTED names; an imported config validates (the stage Configs, or the flow's parameters
+    and every stage config it builds) and each flag of each command is a key's comment or listed with its
+    reason; a refusal is one line naming the command and why."""
+    name, want = f"{path.parent.name}/{path.name}", EXPECTED[path.name]
+    if isinstance(want, str) and want.startswith("refused: "):
+        with pytest.raises(imp.CommandError) as e:
+            imported(name)
+        assert want.removeprefix("refused: ") in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert str(e.value).startswith("openrlhf.cli.")
+        return
+    text, data = imported(name)
+    if isinstance(want, list):
+        assert list(data) == want
+        for section in want:  # ppo as for the GPU cluster the script names (its resources checked when joined)
+            gpu = {"accelerator": "gpu", "ray_address": data[section].get("ray_address", "h:6379")} if section == "ppo" else {}
+            imp.config_class(section).model_validate({**data[section], **gpu})
+        for cmd in find_commands(path.read_text(), path.parent):  # the version whose defaults each command got
+            version = "v0.11.0" if "dotted" in cmd.dialect else "v0.9.5" if cmd.module in REMOVED else "v0.9.10"
+            assert f"# openrlhf.cli.{cmd.module} ({cmd.dialect}; OpenRLHF {version}'s defaults): run `rlhf-flows stage" in text
+    else:
+        assert f"run `rlhf-flows run {want.split()[1]} --config THIS_FILE`" in text
+    for cmd in find_commands(path.read_text(), path.parent):
+        for flag, _ in [*cmd.launcher, *cmd.flags]:
+            assert re.search(rf"(# |#   )--{re.escape(flag)}( |$|:)", text, re.M), f"{name}: --{flag} dropped"
+    assert all(line.startswith("#") or line.startswith(" ") or line.endswith((":", "{}")) or ": " in line
+               for line in text.splitlines() if line)
+    assert "./hub/" not in text  # hub ids are written as given
+
+
+@pytest.mark.parametrize("name", ["train_sft.sh", "train_dpo_llama.sh", "train_rm.sh", "train_ppo_ray_hybrid_engine.sh",
+                                  "train_ppo_ray_slurm.sh", "train_ppo_with_reward_fn.sh", "train_nonrl_slurm.sh"])
+def test_both_dialects_give_the_same_yaml_but_their_versions_defaults(name):
+    """v0.9.10 (flat flags) and v0.11.0 (dotted) of one script: the same YAML, except the defaults that changed
+    between the versions (train_ppo_ray's micro batches: 4 / 8 in v0.9.10, 1 / 1 in v0.11.0)."""
+    (t9, a), (t11, b) = imported(f"v0.9.10/{name}"), imported(f"v0.11.0/{name}")
+    changed = {"micro_train_batch_size", "micro_rollout_batch_size"}
+    for d in (a, b):
+        for section in d.values():
+            for k in changed & set(section):
+                section.pop(k)
     assert a == b
-    assert "(v0.9 flat flags)" in t9 and "(v0.10+ dotted flags)" in t11
+    assert "(v0.9 flat flags; OpenRLHF v0.9.10's defaults)" in t9 and "(v0.10+ dotted flags; OpenRLHF v0.11.0's defaults)" in t11
+    if name == "train_ppo_ray_hybrid_engine.sh":  # neither script sets them: each version's own default
+        assert "micro_rollout_batch_size: 8" in t9 and "(OpenRLHF v0.9.10's default '--micro_rollout_batch_size 8')" in t9
+        assert "micro_rollout_batch_size: 1" in t11 and "micro_train_batch_size: 1" in t11
+        assert "v0.10.0 and v0.10.1 (also flat flags) default micro_train_batch_size and micro_rollout_batch_size to 1" in t9
 
 
 def test_keys_values_and_comments_spot_checked():
-    sft9, d9 = imported("train_sft_v0.9.10.sh")
-    sft11, _ = imported("train_sft_v0.11.0.sh")
+    sft9, d9 = imported("v0.9.10/train_sft.sh")
+    sft11, _ = imported("v0.11.0/train_sft.sh")
     assert re.search(r"^  micro_train_batch_size: 2 +# --micro_train_batch_size 2$", sft9, re.M)
     assert re.search(r"^  micro_train_batch_size: 2 +# --train.micro_batch_size 2$", sft11, re.M)
     assert re.search(r"^  save_steps: 0 +# --save_steps -1$", sft9, re.M)  # OpenRLHF -1 = never
     s = d9["sft"]
-    assert (s["policy_uri"], s["dataset_uri"], s["output_uri"]) == ("./hub/meta-llama/Meta-Llama-3-8B", "./hub/Open-Orca/OpenOrca",
-                                                                     "./checkpoint/llama3-8b-sft")
-    assert "meta-llama/Meta-Llama-3-8B is a hub id; this project never downloads: download it to ./hub/meta-llama/Meta-Llama-3-8B" in sft9
+    assert (s["policy_uri"], s["dataset_uri"], s["output_uri"]) == ("meta-llama/Meta-Llama-3-8B", "Open-Orca/OpenOrca",
+                                                                     "./checkpoint/llama3-8b-sft")  # hub ids as given
     assert (s["input_key"], s["output_key"], s["learning_rate"], s["bf16"], s["packing_samples"]) == \
         ("question", "response", 5e-6, True, True)
     # the script omits --input_template (no --apply_chat_template): OpenRLHF formats with its default template
-    assert s["input_template"] == "User: {}\nAssistant: " and "(OpenRLHF's default '--input_template" in sft9
+    assert s["input_template"] == "User: {}\nAssistant: " and "(OpenRLHF v0.9.10's default '--input_template" in sft9
     assert "--eval_steps -1: no --eval_dataset" in sft9
 
-    dpo, d = imported("train_dpo_v0.9.10.sh")
-    assert list(d) == ["prepare", "reference", "dpo"]  # the order they run in, as the header says
+    _, rm = imported("v0.11.0/train_rm.sh")  # no --prompt_key: OpenRLHF scores chosen / rejected whole
+    assert rm["train_rm"]["prompt_key"] is None
+
+    dpo, d = imported("v0.9.10/train_dpo_llama.sh")
     assert "`rlhf-flows stage prepare --config THIS_FILE` then `rlhf-flows stage reference" in dpo
     assert d["prepare"]["kind"] == "pairs" and d["reference"]["pairs_uri"] == d["prepare"]["output_uri"]
     assert d["dpo"]["dataset_uri"] == d["reference"]["output_uri"]
-    assert d["reference"]["ref_uri"] == d["dpo"]["policy_uri"] == "./hub/OpenRLHF/Llama-3-8b-sft-mixture"
+    assert d["reference"]["ref_uri"] == d["dpo"]["policy_uri"] == "OpenRLHF/Llama-3-8b-sft-mixture"
     for k in ("max_len", "bf16", "zero_stage", "packing_samples"):  # the reference pass computes as dpo trains
         assert d["reference"][k] == d["dpo"][k], k
 
-    ppo, p = imported("train_ppo_ray_v0.9.10.sh")
+    ppo, p = imported("v0.9.10/train_ppo_ray_hybrid_engine.sh")
     q = p["ppo"]
     assert (q["rollout_backend"], q["weight_sync_backend"], q["vllm_num_engines"], q["actor_learning_rate"]) == \
         ("vllm", "object_store", 4, 5e-7)  # --vllm_sync_backend nccl with TP 2 engines: the stage's TP path
     assert "--vllm_sync_backend nccl (TP > 1 engines: object_store here)" in ppo
-    assert q["generate_max_len"] == 2048 - 1024 and "(--max_len 2048 minus prompt_max_len)" in ppo
+    assert (q["prompt_max_len"], q["generate_max_len"]) == (1024, 1024) and "--max_len 2048 minus prompt_max_len" in ppo
+    assert "prompt_max_len 1024 + generate_max_len 1024 split it (a longer prompt keeps its last 1024 tokens" in ppo
+    assert q["reward_clip_range"] == [-10, 10] and "(OpenRLHF v0.9.10's default '--reward_clip_range -10 10')" in ppo
     assert "--ckpt_path /openrlhf/examples/test_scripts/ckpt/llama3-8b-rlhf: checkpoints go to" in ppo
+    assert host_refused(ppo) == {("ppo", "vllm_enable_sleep"), ("ppo", "deepspeed_enable_sleep"),
+                                 ("ppo", "vllm_tensor_parallel_size")} or __import__("torch").cuda.is_available()
 
-    rs, r = imported("rejection_sampling_v0.9.5.sh")  # three commands, variables set earlier in the script
-    assert list(r) == ["generate", "score", "sft"]
-    assert r["generate"]["iter"] == 0 and r["generate"]["rollout_batch_size"] == 10240
-    assert r["score"]["samples_uri"] == r["generate"]["output_uri"] == "./checkpoint/llama-3-8b-rejection/generate.jsonl"
-    assert "--post_processor rs: a separate stage: filter" in rs and r["sft"]["input_template"] is None  # --input_template ""
+
+def test_shell_forms_arrays_srun_bash_c_ray_job_torchrun_after_source():
+    """The commands OpenRLHF's scripts keep in bash arrays, inside `srun ... bash -c "..."` behind `ray job
+    submit ... --`, and as `torchrun ... -m ${training_commands}` after `source train_dpo_llama.sh slurm` (whose
+    own `if [[ ${1} != "slurm" ]]` launch is skipped) are found with their flags and launchers."""
+    _, agent = imported("v0.9.10/train_reinforce_baseline_ray_agent_async.sh")  # "${ARGS[@]}" arrays, comments inside
+    a = agent["ppo"]
+    assert (a["policy_uri"], a["agent_func_path"], a["n_samples_per_prompt"], a["ray_address"]) == \
+        ("Qwen/Qwen3-4B-Thinking-2507", "examples/python/agent_func.py", 8, "http://127.0.0.1:8265")
+    _, slurm = imported("v0.11.0/train_ppo_ray_slurm.sh")  # srun ... bash -c "pip ... && ray job submit ... -- python3 -m"
+    assert (slurm["ppo"]["ray_address"], slurm["ppo"]["colocate_actor_ref"], slurm["ppo"]["colocate_critic_reward"]) == \
+        ("http://localhost:8265", True, True)
+    text, nonrl = imported("v0.9.10/train_nonrl_slurm.sh")  # torchrun -m ${training_commands} from the sourced file
+    assert [c.runner for c in find_commands((COMMANDS / "v0.9.10/train_nonrl_slurm.sh").read_text(), COMMANDS / "v0.9.10")] == ["torchrun"]
+    d = nonrl["dpo"]
+    assert (d["launcher"], d["num_gpus"], d["master_port"], d["master_addr"], nonrl["reference"]["launcher"]) == \
+        ("torchrun", 8, 9901, "$MASTER_ADDR", "torchrun")
+    assert "--nnodes $SLURM_NNODES: the script sets it when it runs: give dpo.num_nodes" in text
+    assert "--node_rank $SLURM_PROCID: node 0 runs the stage" in text and "$MASTER_ADDR is not set by" in text
+    script = ("X=1\nA=(\n  --pretrain ${M:-./base}  # the model\n  --dataset 'a b.jsonl'\n)\nif [[ $X == 2 ]]; then\n"
+              "  deepspeed --module openrlhf.cli.train_kd --teacher_model t\nelse\n"
+              "  deepspeed --module openrlhf.cli.train_sft \"${A[@]}\" --max_len 64 2>&1 | tee log.txt\nfi\n")
+    (cmd,) = find_commands(script)
+    assert (cmd.module, cmd.flags) == ("train_sft", [("pretrain", "./base"), ("dataset", "a b.jsonl"), ("max_len", "64")])
+
+
+def test_loops_become_their_flows_with_the_scripts_filter_and_iterations():
+    """v0.9.5's iterative DPO (5 iterations) and rejection-sampling (10) loops become iterative-dpo and raft
+    configs: the loop's count, the first policy, the RM, the prompts, each stage's settings; the filter is the
+    flow's (iter_dpo / rs, as the script's --post_processor); --iter and the paths are the flow's. csft (one
+    pass over a preference set's `chosen`): prepare samples -> score -> filter csft -> sft on the filter's rows."""
+    text, it = imported("v0.9.5/train_iterative_dpo.sh")
+    assert (it["iterations"], it["pretrain_uri"], it["reward_uri"], it["prompt_data"], it["ref_policy"]) == \
+        (5, "OpenRLHF/Llama-3-8b-sft-mixture", "OpenRLHF/Llama-3-8b-rm-mixture", "OpenRLHF/prompt-collection-v0.1", "initial")
+    assert (it["root"], it["run_name"]) == ("./checkpoint", "llama-3-8b-iter-dpo")
+    assert (it["generate"]["backend"], it["generate"]["best_of_n"], it["generate"]["tensor_parallel_size"],
+            it["generate"]["rollout_batch_size"]) == ("vllm", 8, 4, 10240)
+    assert it["prepare"] == {"input_key": "context_messages", "apply_chat_template": True}
+    assert (it["dpo"]["learning_rate"], it["dpo"]["zero_stage"], it["score"]["max_len"]) == (5e-7, 3, 4096)
+    assert "--post_processor iter_dpo: the iterative-dpo flow's filter (method iter_dpo)" in text
+    assert "--iter 0: set by the flow each iteration (generate.iter)" in text
+    text, rs = imported("v0.9.5/train_rejection_sampling_llama.sh")
+    assert (rs["iterations"], rs["generate"]["temperature"], rs["generate"]["best_of_n"], rs["sft_loop"]["learning_rate"],
+            rs["sft_loop"]["input_template"]) == (10, 0.9, 4, 2e-6, None)
+    assert "--post_processor rs: the raft flow's filter (method rs)" in text
+    _, cs = imported("v0.9.5/train_conditional.sh")
+    assert (cs["prepare"]["kind"], cs["prepare"]["input_key"], cs["prepare"]["tokenizer_uri"]) == \
+        ("samples", "chosen", "OpenRLHF/Llama-3-8b-rm-mixture")
+    assert cs["score"]["samples_uri"] == cs["prepare"]["output_uri"] and cs["filter"]["scored_uri"] == cs["score"]["output_uri"]
+    assert (cs["filter"]["method"], cs["filter"]["normalize_reward"]) == ("csft", True)
+    assert cs["sft"]["dataset_uri"] == cs["filter"]["output_uri"] != cs["score"]["output_uri"]
+    loop = ("N=3\ni=0\nwhile (( $i < $N )); do\n  python -m openrlhf.cli.batch_inference --eval_task generate_vllm "
+            "--pretrain ./p --dataset ./q --output_path ./o/g.jsonl --iter $i\n  deepspeed --module openrlhf.cli.batch_inference "
+            "--eval_task rm --pretrain ./rm --dataset ./o/g.jsonl --output_path ./o/r.jsonl --post_processor rs\n"
+            "  deepspeed --module openrlhf.cli.train_dpo --pretrain ./p --dataset ./o/r.jsonl --save_path ./o/m\ndone\n")
+    with pytest.raises(imp.CommandError, match=r"runs batch_inference -> batch_inference -> train_dpo with --post_processor "
+                                               r"rs: no flow here does that \(iter_dpo \+ train_dpo: iterative-dpo"):
+        imp.import_text(loop)
+    raft = yaml.safe_load(imp.import_text(loop.replace("train_dpo", "train_sft")))
+    assert (raft["iterations"], raft["root"], raft["run_name"], raft["prompt_data"]) == (3, ".", "o", "./q")
+
+
+def test_the_issue_37_reasons_and_mappings():
+    """Each wrong refusal or reason of issue 37, and OpenRLHF's rules between flags, as they are now."""
+    base = "python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --prompt_data ./q --vllm_num_engines 1 "
+    ppo = lambda flags: imp.import_text(base + flags, "ppo.sh")  # noqa: E731
+    t = ppo("--reward_pretrain ./rm --enable_vllm_is_correction --vllm_is_correction_type icepop --logging_steps 1 "
+            "--lr_scheduler cosine_with_min_lr --max_ckpt_num 3")
+    q = yaml.safe_load(t)["ppo"]
+    assert (q["use_icepop"], q["enable_vllm_is_correction"], q["max_ckpt_num"]) == (True, True, 3)
+    assert "--logging_steps 1: the ppo stage logs every step" in t  # was: table error: ppo.log_steps is not a field
+    assert "--lr_scheduler cosine_with_min_lr: the ppo stage's schedule: linear warm-up, then cosine" in t
+    t = ppo("--reward_pretrain ./rm --vllm_is_correction_type seq-mask-tis --lr_scheduler constant --logging_steps 5")
+    assert "--vllm_is_correction_type seq-mask-tis: seq-mask-tis: TIS (clamp) and ICEPOP" in t
+    assert "--lr_scheduler constant: no counterpart: the ppo stage's schedule" in t and "--logging_steps 5: no counterpart" in t
+    # gae with a reward function: OpenRLHF's critic starts from the actor; --normalize_reward is a no-op there
+    t = ppo("--remote_rm_url http://rm:5000/get_reward --normalize_reward")
+    q = yaml.safe_load(t)["ppo"]
+    assert (q["critic_uri"], q["remote_rm_url"]) == ("./p", "http://rm:5000/get_reward") and "normalize_reward" not in q
+    assert "--normalize_reward: no reward model (remote_rm_url gives the rewards): a no-op in OpenRLHF" in t
+    # async_train + colocate_all_models: accepted as OpenRLHF does (its warning: the DeepSpeed models only)
+    t = ppo("--reward_pretrain ./rm --async_train --colocate_all_models --actor_num_gpus_per_node 2 --ref_num_gpus_per_node 2")
+    q = yaml.safe_load(t)["ppo"]
+    assert (q["async_train"], q["colocate_actor_ref"], q["colocate_critic_reward"], "colocate_all_models" in q) == (True, True, True, False)
+    # long context: the prompt cap is what --max_len leaves to the prompt, not a silent 1024
+    q = yaml.safe_load(ppo("--reward_pretrain ./rm --max_len 74240 --max_new_tokens 64000"))["ppo"]
+    assert (q["prompt_max_len"], q["generate_max_len"], q["reward_max_len"]) == (10240, 64000, 74240)
+    t = imp.import_text("deepspeed --module openrlhf.cli.train_rm --pretrain ./b --dataset ./d --value_head_prefix score")
+    assert "--value_head_prefix score: the head is saved as `score`" in t.split("hold here without a key:")[1]
+    t = imp.import_text("deepspeed --module openrlhf.cli.train_kto --pretrain ./b --dataset ./d --ref_offload")
+    assert "--ref_offload: the reference log-probs are computed before training" in t.split("hold here without a key:")[1]
+    g = yaml.safe_load(imp.import_text("deepspeed --module openrlhf.cli.batch_inference --eval_task generate_vllm --bf16 "
+                                       "--pretrain ./p --dataset ./q --output_path ./o"))["generate"]
+    assert (g["dtype"], g["backend"]) == ("bf16", "vllm")
+    t = imp.import_text("torchrun --nproc_per_node 4 --nnodes 2 --node_rank 0 --master_addr h0 --master_port 29500 "
+                        "-m openrlhf.cli.train_sft --pretrain ./b --dataset ./d --train_batch_size 64")
+    s = yaml.safe_load(t)["sft"]
+    assert (s["launcher"], s["num_gpus"], s["num_nodes"], s["master_addr"], s["master_port"]) == ("torchrun", 4, 2, "h0", 29500)
+    assert "--node_rank 0: node 0 runs the stage; the other nodes run the torchrun command it logs" in t
+    # a flag OpenRLHF's own parser refuses (v0.9.10's DAPO script) is named as such, with the flag it meant
+    t, _ = imported("v0.9.10/train_dapo_ray_hybrid_engine.sh")
+    assert "--vllm_enable_is_correction: not a flag of OpenRLHF's train_ppo_ray (its parser refuses the command); " \
+           "--enable_vllm_is_correction?" in t
+    t = imp.import_text("python -m openrlhf.cli.lora_combiner --model_path ./b --lora_path ./a --output_path ./m --is_rm")
+    assert yaml.safe_load(t)["lora_combine"] == {"base_uri": "./b", "model_uri": "./a", "output_uri": "./m", "is_rm": True, "bf16": True}
+
+
+def test_every_table_rule_names_a_field_of_its_stage():
+    """A rule naming a key its stage has not (a table error) would list the flag instead of mapping it."""
+    def rule_keys(rule) -> list[str]:
+        if isinstance(rule, imp.No):  # Fixed too
+            return []
+        if isinstance(rule, (str, list, tuple)):
+            keys = rule[0] if isinstance(rule, tuple) else rule
+            return [keys] if isinstance(keys, str) else keys
+        keys = []
+        for probe in ("r.py", "http://h", "tis", "icepop", "generate", "generate_vllm"):  # a converter's keys
+            try:
+                keys += rule(probe)
+            except imp.NoCounterpart:
+                pass
+        return keys
+
+    for module, table in imp.FLAGS.items():
+        sections = imp.STAGES.get(module) or {"score_raw": ["score", "prepare", "filter"]}.get(module, [module])
+        for flag, rule in table.items():
+            for key in rule_keys(rule):
+                section, key = key.split(".", 1) if "." in key else (sections[0], key)
+                assert key in imp.config_class(section).model_fields, f"{module} --{flag}: {section}.{key}"
+    for flag, rule in imp.LAUNCHER.items():
+        for key in rule_keys(rule):
+            assert key in imp.config_class("sft").model_fields or key in imp.config_class("ppo").model_fields, flag
 
 
 def _fails(argv, capsys, message):
@@ -102,7 +301,7 @@ def _fails(argv, capsys, message):
     assert err.startswith("rlhf-flows: error: ") and message in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
-def test_bad_input_is_one_named_error_line(tmp_path, capsys):
+def test_bad_input_and_refusals_are_one_named_error_line(tmp_path, capsys):
     f = tmp_path / "cmd.sh"
     f.write_text("deepspeed --module openrlhf.cli.train_foo --pretrain x\n")
     _fails(["import-openrlhf", str(f)], capsys, "openrlhf.cli.train_foo (line 1) is not an OpenRLHF module this imports")
@@ -118,7 +317,25 @@ def test_bad_input_is_one_named_error_line(tmp_path, capsys):
     _fails(["import-openrlhf", str(f)], capsys, "--eval_task ppl: no counterpart (generate, generate_vllm, rm)")
     f.write_text("# a comment naming openrlhf.cli.train_sft\necho deepspeed\n")
     _fails(["import-openrlhf", str(f)], capsys, "no OpenRLHF command")
+    f.write_text("source ./missing.sh slurm\ntorchrun -m ${training_commands}\n")
+    _fails(["import-openrlhf", str(f)], capsys, "it runs `source ./missing.sh`, which is not beside it: import that file")
     _fails(["import-openrlhf", str(tmp_path / "nope.sh")], capsys, "nope.sh")
+    _fails(["import-openrlhf", str(COMMANDS / "v0.11.0" / "train_sft_mixtral_lora.sh")], capsys,
+           "LoRA with zero_stage 3 is not supported: use zero_stage 2 (--ds.zero_stage 3, --ds.lora.rank 64)")
+    _fails(["import-openrlhf", str(COMMANDS / "v0.10.1" / "train_vlm_math_hybrid_engine.sh")], capsys,
+           "(--image_key images, --max_images_per_prompt 1, --freeze_visual_encoder): vision-language models are not supported")
+
+
+def test_serve_rm_gives_the_serve_rm_command_that_replaces_it(capsys):
+    """openrlhf.cli.serve_rm is a server: the refusal gives `rlhf-flows serve-rm` with its settings (OpenRLHF's
+    host, head name and raw scores where the script leaves them), which the CLI parses as written."""
+    for tag in ("v0.9.10", "v0.11.0"):
+        _fails(["import-openrlhf", str(COMMANDS / tag / "serve_remote_rm.sh")], capsys, f"run `{SERVE}` (")
+    a = cli.parse(shlex.split(SERVE)[1:])
+    assert (a.model, a.port, a.max_len, a.batch_size, a.host, a.value_head_prefix, a.normalize_reward) == \
+        ("OpenRLHF/Llama-3-8b-rm-700k", 5000, 8192, 16, "0.0.0.0", "score", True)
+    with pytest.raises(imp.CommandError, match="--no-normalize-reward"):
+        imp.import_text("python -m openrlhf.cli.serve_rm --reward_pretrain ./rm")
 
 
 def test_the_readme_command_works_as_written(monkeypatch, capsys):
@@ -138,6 +355,7 @@ def test_stdin_in_file_out(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     assert cli.main(["import-openrlhf", "-", "-o", str(tmp_path / "ppo.yaml")]) == 0
     assert (tmp_path / "ppo.yaml").read_text() == imp.import_text(script, "stdin")
+    assert yaml.safe_load(imp.import_text(script))["ppo"]["ray_address"] == "http://127.0.0.1:8265"
 
 
 def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
@@ -151,7 +369,7 @@ def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
     src = tmp_path / "openorca.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "sft.yaml"
-    assert cli.main(["import-openrlhf", str(COMMANDS / "train_sft_v0.11.0.sh"), "-o", str(out)]) == 0
+    assert cli.main(["import-openrlhf", str(COMMANDS / "v0.11.0" / "train_sft.sh"), "-o", str(out)]) == 0
     target = tmp_path / "sft"
     over = [f"sft.policy_uri={tiny.policy_uri}", f"sft.dataset_uri={src}", f"sft.output_uri={target}",
             "sft.max_len=48", "sft.max_samples=16", "sft.train_batch_size=8", "sft.micro_train_batch_size=4",
@@ -165,9 +383,10 @@ def test_imported_sft_command_runs_scaled_down(tiny, tmp_path, capsys):
 
 
 def test_imported_dpo_command_runs_scaled_down(tiny, tmp_path):
-    """OpenRLHF's train_dpo.sh (v0.9.10, flat flags) imported, then its three stages (prepare pairs -> reference
-    log-probs -> dpo) run by `rlhf-flows stage NAME --config` with the tiny model and pairs in its dataset's shape
-    (chosen / rejected message lists, chat template), sizes shrunk: dpo commits with the script's settings."""
+    """OpenRLHF's train_dpo_llama.sh (v0.9.10, flat flags) imported, then its three stages (prepare pairs ->
+    reference log-probs -> dpo) run by `rlhf-flows stage NAME --config` with the tiny model and pairs in its
+    dataset's shape (chosen / rejected message lists, chat template), sizes shrunk: dpo commits with the script's
+    settings."""
     from rlhf_core.demo import demo_task
     from rlhf_core import store
 
@@ -176,7 +395,7 @@ def test_imported_dpo_command_runs_scaled_down(tiny, tmp_path):
     src = tmp_path / "pairs.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "dpo.yaml"
-    assert cli.main(["import-openrlhf", str(COMMANDS / "train_dpo_v0.9.10.sh"), "-o", str(out)]) == 0
+    assert cli.main(["import-openrlhf", str(COMMANDS / "v0.9.10" / "train_dpo_llama.sh"), "-o", str(out)]) == 0
     pairs, ref, dpo = (tmp_path / name for name in ("pairs", "ref", "dpo"))
     cpu = ["max_len=64", "bf16=false", "attn_implementation=sdpa"]  # flash_attention_2 and bf16: CUDA's
     assert cli.main(["stage", "prepare", "--config", str(out), f"data={src}", f"tokenizer_uri={tiny.policy_uri}",
@@ -201,7 +420,7 @@ def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
     from stages import ppo
     from stages.common import ConfigError, load_config
 
-    text, data = imported("train_ppo_ray_v0.11.0.sh")
+    text, data = imported("v0.11.0/train_ppo_ray_hybrid_engine.sh")
     raw = tmp_path / "ppo_raw.yaml"
     raw.write_text(text)
     refused = host_refused(text)
@@ -220,8 +439,8 @@ def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
                                         "micro_rollout_batch_size=2", "max_samples=4", "bf16=false", "n_samples_per_prompt=2",
                                         "generate_max_len=8", "prompt_max_len=32", "num_episodes=1"], section="ppo")
     assert (cfg.zero_stage, cfg.packing_samples, cfg.use_dynamic_batch, cfg.colocate_all_models, cfg.init_kl_coef,
-            cfg.critic_learning_rate, cfg.input_key, cfg.apply_chat_template, cfg.enable_vllm_is_correction) == \
-        (3, True, True, True, 0.01, 9e-6, "context_messages", True, True)
+            cfg.critic_learning_rate, cfg.input_key, cfg.apply_chat_template, cfg.enable_vllm_is_correction,
+            cfg.reward_clip_range) == (3, True, True, True, 0.01, 9e-6, "context_messages", True, True, (-10, 10))
     from rlhf_core.demo import demo_task
     from rlhf_core import store
 
@@ -231,26 +450,3 @@ def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
     m = ppo.run(cfg.model_copy(update={"prompts_uri": str(prompts)}))
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] >= 1
     assert store.read_manifest(str(tmp_path / "out")).config["packing_samples"] is True
-
-
-def test_the_flags_issue_27_added_map_to_their_keys():
-    """--pretrain_data / --ptx_coef, --reward_pretrain a,b, --value_head_prefix, --save_hf_ckpt (with --save_steps;
-    without it OpenRLHF writes no checkpoint, so the flag is listed as doing nothing) and batch_inference's
-    --max_num_seqs land on their keys, in both dialects."""
-    flat = ("python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --reward_pretrain ./a,./b --prompt_data ./q.jsonl "
-            "--pretrain_data ./sft.jsonl --ptx_coef 0.1 --value_head_prefix value_head --save_hf_ckpt --save_steps 5 "
-            "--vllm_num_engines 0 --save_path ./out")
-    d = yaml.safe_load(imp.import_text(flat, "ppo.sh"))["ppo"]
-    assert (d["pretrain_data"], d["ptx_coef"], d["reward_model_uri"], d["value_head_prefix"], d["save_hf_ckpt"],
-            d["vllm_num_engines"]) == ("./sft.jsonl", 0.1, "./a,./b", "value_head", True, 0)
-    dotted = yaml.safe_load(imp.import_text(flat.replace("--value_head_prefix", "--ds.value_head_prefix")
-                                            .replace("--save_hf_ckpt", "--ckpt.save_hf"), "ppo.sh"))["ppo"]
-    assert (dotted["value_head_prefix"], dotted["save_hf_ckpt"]) == ("value_head", True)
-    text = imp.import_text(flat.replace(" --save_steps 5", ""), "ppo.sh")
-    assert "save_hf_ckpt" not in yaml.safe_load(text)["ppo"] and "--save_hf_ckpt: no --save_steps" in text
-    gen = yaml.safe_load(imp.import_text("deepspeed --module openrlhf.cli.batch_inference --eval_task generate_vllm "
-                                         "--pretrain ./p --dataset ./q.jsonl --output_path ./o.jsonl --max_num_seqs 64",
-                                         "gen.sh"))["generate"]
-    assert gen["max_num_seqs"] == 64
-    _, readme = imported("readme_ppo_v0.11.0.sh")  # `ray job submit --address=http://...`: submitted there as a Ray Job
-    assert readme["ppo"]["ray_address"] == "http://127.0.0.1:8265"

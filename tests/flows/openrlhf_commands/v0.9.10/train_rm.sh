@@ -1,4 +1,4 @@
-# OpenRLHF examples/scripts/train_rm.sh at v0.9.10 (commit 6f58d4183dfa2ff2de396f856350ed4aca395645), verbatim below this header.
+# OpenRLHF examples/scripts/train_rm.sh at v0.9.10 (commit 6f58d4183dfa2ff2de396f856350ed4aca395645), verbatim below this header (OpenRLHF is Apache-2.0).
 set -x
 
 read -r -d '' training_commands <<EOF
@@ -31,4 +31,3 @@ EOF
 if [[ ${1} != "slurm" ]]; then
     deepspeed --module $training_commands
 fi
-

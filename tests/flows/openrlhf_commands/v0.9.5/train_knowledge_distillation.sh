@@ -1,4 +1,4 @@
-# OpenRLHF examples/scripts/train_knowledge_distillation.sh at v0.9.5 (commit c0e2ee2473cd115863630599cc3d51917d4b7c3e), verbatim below this header.
+# OpenRLHF examples/scripts/train_knowledge_distillation.sh at v0.9.5 (commit c0e2ee2473cd115863630599cc3d51917d4b7c3e), verbatim below this header (OpenRLHF is Apache-2.0).
 set -x
 
 read -r -d '' training_commands <<EOF
@@ -31,4 +31,3 @@ EOF
 if [[ ${1} != "slurm" ]]; then
     deepspeed --module $training_commands
 fi
-

@@ -1,4 +1,4 @@
-# OpenRLHF examples/scripts/train_sft.sh at v0.11.0 (commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7), verbatim below this header.
+# OpenRLHF examples/scripts/train_sft.sh at v0.11.0 (commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7), verbatim below this header (OpenRLHF is Apache-2.0).
 set -x
 
 read -r -d '' training_commands <<EOF

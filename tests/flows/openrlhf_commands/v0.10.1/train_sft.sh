@@ -1,4 +1,4 @@
-# OpenRLHF examples/scripts/train_sft.sh at v0.9.10 (commit 6f58d4183dfa2ff2de396f856350ed4aca395645), verbatim below this header.
+# OpenRLHF examples/scripts/train_sft.sh at v0.10.1 (commit 33f9d72fbac7ada09979fd0873c27b1cca0cc0e1), verbatim below this header (OpenRLHF is Apache-2.0).
 set -x
 
 read -r -d '' training_commands <<EOF

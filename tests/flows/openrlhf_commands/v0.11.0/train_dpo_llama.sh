@@ -1,9 +1,9 @@
-# OpenRLHF examples/scripts/train_rm.sh at v0.11.0 (commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7), verbatim below this header.
+# OpenRLHF examples/scripts/train_dpo_llama.sh at v0.11.0 (commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7), verbatim below this header (OpenRLHF is Apache-2.0).
 set -x
 
 read -r -d '' training_commands <<EOF
-openrlhf.cli.train_rm \
-   --ckpt.output_dir ./checkpoint/llama3-8b-rm \
+openrlhf.cli.train_dpo \
+   --ckpt.output_dir ./checkpoint/llama3-8b-dpo \
    --ckpt.save_steps -1 \
    --logger.logging_steps 1 \
    --eval.steps -1 \
@@ -14,7 +14,8 @@ openrlhf.cli.train_rm \
    --train.max_epochs 1 \
    --data.max_len 8192 \
    --ds.zero_stage 3 \
-   --adam.lr 9e-6 \
+   --adam.lr 5e-7 \
+   --model.beta 0.1 \
    --data.dataset OpenRLHF/preference_dataset_mixture2_and_safe_pku \
    --data.apply_chat_template \
    --data.chosen_key chosen \
@@ -24,11 +25,14 @@ openrlhf.cli.train_rm \
    --ds.packing_samples \
    --model.gradient_checkpointing_enable
 EOF
-     # --logger.wandb.key [WANDB_TOKENS] or True (use wandb login command)
-     # --ds.packing_samples
+    # --logger.wandb.key [WANDB_TOKENS] or True (use wandb login command)
+    # --model.ipo_enable [for IPO]
+    # --model.label_smoothing 0.1 [for cDPO]
+    # --ref.offload
+    # --ds.packing_samples
+    # --model.nll_loss_coef (Regularization with NLL loss)
 
 
 if [[ ${1} != "slurm" ]]; then
     deepspeed --module $training_commands
 fi
-

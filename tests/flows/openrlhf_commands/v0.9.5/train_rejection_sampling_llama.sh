@@ -1,4 +1,4 @@
-# OpenRLHF examples/scripts/train_rejection_sampling_llama.sh at v0.9.5 (commit c0e2ee2473cd115863630599cc3d51917d4b7c3e), verbatim below this header.
+# OpenRLHF examples/scripts/train_rejection_sampling_llama.sh at v0.9.5 (commit c0e2ee2473cd115863630599cc3d51917d4b7c3e), verbatim below this header (OpenRLHF is Apache-2.0).
 set -x
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 
