@@ -2,9 +2,23 @@
 
 A 7B policy with a 152k vocabulary at 32 x 2048 tokens would need 40 GB for one fp32 log-softmax over every
 position. Here the model's body runs once (hidden states # (B, L, H)); the LM head then runs only on the
-action columns, `chunk` positions at a time, each chunk's logits cast to fp32 for the reduction (logsumexp
-and the gathered target), so the largest tensor is # (chunk, V). Under autograd each chunk is checkpointed:
-its logits are recomputed in backward instead of kept, so memory does not grow with the number of chunks.
+action columns, `chunk` positions at a time, each chunk's logits cast to fp32 for the reduction (logsumexp,
+the gathered target, the entropy), so the largest tensors are a few # (chunk, V).
+
+Under autograd the head runs as one fused function (`FusedHeadLogprobs`, the default "fused" backend): its
+forward keeps no logits, only h, the head's weight and per-token logsumexp / entropy # (N,); its backward
+recomputes each chunk's logits once and writes the gradients of h, the weight and the bias by hand
+(d log p_y / dz = onehot(y) - p; d H / dz = p * (E_p[z] - z); then through the temperature, soft-cap and
+scale). That is the least work a per-token output allows: the upstream gradient of every token is unknown in
+the forward, so the weight's gradient (a sum over tokens weighted by it) cannot be formed there as Liger's
+fused linear cross-entropy does for a reduced loss. The "chunked" backend (torch's checkpoint around each
+chunk: recompute under autograd, then autograd's own backward through every elementwise op) serves heads the
+fused function cannot take: a ZeRO-3-partitioned weight (gathered only by the head module's own hooks) or a
+head that is not a plain nn.Linear (e.g. LoRA on the LM head). On CUDA, Apple's cut-cross-entropy ("cce") and
+Liger-Kernel's fused linear cross-entropy ("liger", >= 0.8.5: earlier releases give wrong weight gradients
+with reduction="none", linkedin/Liger-Kernel#1298) can be chosen with RLHF_FLOWS_LOGPROBS=cce|liger; both give
+log-probs only (entropy falls back to "fused") and need a head without bias. They are not the default because
+they were not measured on a GPU in this repository yet (`benchmarks/parts/logprobs.py --device cuda` measures them).
 
 The policy is softmax(transform(logits) / T): T is the sampling temperature (OpenRLHF divides the logits by
 it too), transform the architecture's own logit scaling (Gemma-2's final soft-capping, Cohere's logit_scale,
@@ -14,10 +28,13 @@ Columns follow rlhf_core.rl.losses.token_logprobs: column t of # (B, L - 1) is t
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 CHUNK = 1024  # positions per LM-head chunk: (1024, 152k) fp32 logits = 0.6 GB at Qwen2's vocabulary
+BACKENDS = ("fused", "chunked", "cce", "liger")
 
 
 def through_top(model, fn):
@@ -38,26 +55,189 @@ def through_top(model, fn):
             model.forward = own
 
 
-def _head_logits(head, config, h: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits of the tempered policy for hidden states # (N, H) -> # (N, V)."""
-    logits = head(h).float()
-    if (scale := getattr(config, "logit_scale", None)) is not None:  # Cohere
-        logits = logits * scale
-    if (div := getattr(config, "logits_scaling", None)) is not None:  # Granite
-        logits = logits / div
-    if (cap := getattr(config, "final_logit_softcapping", None)) is not None:  # Gemma-2
-        logits = torch.tanh(logits / cap) * cap
-    return logits / temperature if temperature != 1.0 else logits
+def transform(config) -> tuple[float, float | None]:
+    """(scale, soft-cap) of an architecture's logits: logits = cap * tanh(scale * (h W^T + b) / cap)."""
+    scale = 1.0
+    if (m := getattr(config, "logit_scale", None)) is not None:  # Cohere
+        scale *= m
+    if (d := getattr(config, "logits_scaling", None)) is not None:  # Granite
+        scale /= d
+    return scale, getattr(config, "final_logit_softcapping", None)  # Gemma-2
 
 
-def _chunk(head, config, h, targets, temperature: float, with_entropy: bool):
-    logits = _head_logits(head, config, h, temperature)  # (N, V) fp32
-    lse = torch.logsumexp(logits, -1)  # (N,)
-    lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+def _logits(h, weight, bias, scale: float, cap: float | None, T: float) -> torch.Tensor:
+    """fp32 logits of the tempered policy for hidden states # (n, H) -> # (n, V), transformed in place."""
+    z = torch.nn.functional.linear(h, weight, bias).float()
+    if scale != 1.0:
+        z.mul_(scale)
+    if cap is not None:
+        z.div_(cap).tanh_().mul_(cap)
+    return z.div_(T) if T != 1.0 else z
+
+
+def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """(log p(target), logsumexp, entropy or None), each # (n,), of tempered fp32 logits z # (n, V)."""
+    lse = torch.logsumexp(z, -1)
+    lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
-        return lp, None
-    ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # H = logsumexp - E_p[logit]
-    return lp, ent
+        return lp, lse, None
+    return lp, lse, lse - (z - lse[:, None]).exp_().mul_(z).sum(-1)  # H = logsumexp - E_p[z]
+
+
+def _fused_forward(h, weight, bias, targets, scale, cap, T, with_entropy: bool, chunk: int):
+    lp, lse, ent = [], [], []
+    for s in range(0, h.shape[0], chunk):
+        a, b, c = _chunk_stats(_logits(h[s:s + chunk], weight, bias, scale, cap, T), targets[s:s + chunk], with_entropy)
+        lp.append(a)
+        lse.append(b)
+        if with_entropy:
+            ent.append(c)
+    cat = (lambda x: torch.cat(x) if x else h.new_zeros(0, dtype=torch.float32))  # noqa: E731
+    return cat(lp), cat(lse), cat(ent) if with_entropy else None
+
+
+class FusedHeadLogprobs(torch.autograd.Function):
+    """(log p(targets), entropy) # (N,) each of softmax(transform(h W^T + b) / T) for h # (N, H): chunked, no
+    logits kept; the backward recomputes each chunk's logits once (see the module docstring). `entropy`:
+    None (an empty tensor is returned), "metric" (returned without a gradient) or "loss"."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, scale, cap, T, entropy, chunk):
+        lp, lse, ent = _fused_forward(h, weight, bias, targets, scale, cap, T, entropy is not None, chunk)
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent if ent is not None else lse.new_zeros(0))
+        ctx.consts = (scale, cap, T, entropy == "loss", chunk)
+        if ent is None:
+            ent = lp.new_zeros(0)
+        if entropy != "loss":
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, weight, bias, targets, lse, ent = ctx.saved_tensors
+        scale, cap, T, ent_grad, chunk = ctx.consts
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_ent = g_ent if ent_grad else None
+        dh = torch.empty_like(h) if need_h else None
+        dw = torch.zeros_like(weight) if need_w else None  # accumulated in the weight's dtype, as Liger does
+        db = torch.zeros_like(bias) if need_b else None
+        for s in range(0, h.shape[0], chunk):
+            sl = slice(s, s + chunk)
+            z = _logits(h[sl], weight, bias, scale, cap, T)  # (n, V) fp32, tempered
+            g = (z - lse[sl, None]).exp_()  # p
+            if g_ent is not None:  # dH/dz = p * (E_p[z] - z), E_p[z] = lse - H
+                ge = (lse[sl] - ent[sl])[:, None].sub(z).mul_(g).mul_(g_ent[sl, None])
+            if g_lp is not None:  # d log p_y / dz = onehot(y) - p
+                g.mul_(-g_lp[sl, None]).scatter_add_(1, targets[sl, None], g_lp[sl, None].float())
+            else:
+                g.zero_()
+            if g_ent is not None:
+                g.add_(ge)
+                del ge
+            if cap is not None:  # through cap * tanh(u / cap): 1 - tanh^2, tanh = z * T / cap
+                g.mul_(z.mul_(T / cap).square_().neg_().add_(1))
+            g.mul_(scale / T)  # through the scale and the temperature
+            del z
+            gd = g.to(h.dtype)
+            if need_h:
+                dh[sl] = gd @ weight
+            if need_w:
+                dw.addmm_(gd.t(), h[sl])
+            if need_b:
+                db.add_(g.sum(0).to(db.dtype))
+        return dh, dw, db, None, None, None, None, None, None
+
+
+def _chunked(head, config, h, targets, temperature: float, entropy: str | None, chunk: int):
+    """The head module per chunk, each chunk checkpointed (recomputed under autograd in backward)."""
+    scale, cap = transform(config)
+
+    def one(hc, tc, with_entropy):
+        return _chunk_stats(_logits_of(head, hc, scale, cap, temperature), tc, with_entropy)
+
+    grad = torch.is_grad_enabled()
+    lps, ents = [], []
+    for s in range(0, h.shape[0], chunk):
+        hc, tc = h[s:s + chunk], targets[s:s + chunk]
+        if grad:
+            lp, _, ent = checkpoint(one, hc, tc, entropy == "loss", use_reentrant=False)
+            if entropy == "metric":
+                with torch.no_grad():
+                    ent = one(hc, tc, True)[2]
+        else:
+            lp, _, ent = one(hc, tc, entropy is not None)
+        lps.append(lp)
+        ents.append(ent)
+    cat = (lambda x: torch.cat(x) if x else h.new_zeros(0, dtype=torch.float32))  # noqa: E731
+    return cat(lps), cat(ents) if entropy else None
+
+
+def _logits_of(head, h, scale, cap, T):
+    z = head(h).float()
+    if scale != 1.0:
+        z = z * scale
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    return z / T if T != 1.0 else z
+
+
+def _kernel_logprobs(name: str, head, h, targets, scale, cap, T):
+    """log p(targets) # (N,) by cut-cross-entropy or Liger on CUDA. Both compute cross-entropy of
+    softcap' * tanh((h' W^T) / softcap'), so the temperature goes into h' = h * scale / T and softcap' = cap / T:
+    (cap / T) tanh((scale h W^T / T) / (cap / T)) = cap tanh(scale h W^T / cap) / T."""
+    hs = h * (scale / T) if scale / T != 1.0 else h
+    softcap = cap / T if cap is not None else None
+    if name == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return -linear_cross_entropy(hs, head.weight, targets, softcap=softcap, reduction="none").float()
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return -LigerFusedLinearCrossEntropyLoss(reduction="none", softcap=softcap)(head.weight, hs, targets).float()
+
+
+def backend(head, h: torch.Tensor, entropy: str | None = None) -> str:
+    """The backend the head's log-probs use (module docstring): RLHF_FLOWS_LOGPROBS if it can serve this head,
+    else "fused", else "chunked"."""
+    want = os.environ.get("RLHF_FLOWS_LOGPROBS", "fused")
+    if want not in BACKENDS:
+        raise ValueError(f"RLHF_FLOWS_LOGPROBS={want!r} is not one of {', '.join(BACKENDS)}")
+    plain = type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id")  # ds_id: ZeRO-3 partitioned
+    if not plain:
+        return "chunked"
+    if want in ("cce", "liger") and (h.device.type != "cuda" or entropy is not None or head.bias is not None):
+        return "fused"
+    return want
+
+
+def head_logprobs(head, config, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  entropy: str | None = None, chunk: int = CHUNK):
+    """(log p(targets), entropy or None) # (N,) each, fp32, of the tempered policy at hidden states h # (N, H)."""
+    name = backend(head, h, entropy)
+    if name == "chunked":
+        return _chunked(head, config, h, targets, temperature, entropy, chunk)
+    scale, cap = transform(config)
+    if name in ("cce", "liger"):
+        return _kernel_logprobs(name, head, h, targets, scale, cap, temperature), None
+    if not torch.is_grad_enabled():
+        lp, _, ent = _fused_forward(h, head.weight, head.bias, targets, scale, cap, temperature, entropy is not None, chunk)
+        return lp, ent
+    lp, ent = FusedHeadLogprobs.apply(h, head.weight, head.bias, targets, scale, cap, temperature, entropy, chunk)
+    return lp, ent if entropy else None
+
+
+def selected_logprobs(model, inputs: dict, index: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                      entropy: str | None = None, chunk: int = CHUNK):
+    """(log p(targets), entropy or None) # (N,) each, where token targets[j] is predicted by the hidden state at
+    flat position index[j] (row * T + column) of the model's forward over `inputs` (input_ids, position_ids,
+    attention_mask of any layout: rlhf_core.train.attention.model_inputs). Body and head run inside the top
+    module's call (through_top)."""
+    def run():
+        body = getattr(model, model.base_model_prefix)
+        h = body(**inputs, use_cache=False).last_hidden_state  # (R, T, H)
+        return head_logprobs(model.get_output_embeddings(), model.config, h.reshape(-1, h.shape[-1])[index], targets,
+                             temperature, entropy, chunk)
+    return through_top(model, run)
 
 
 def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor | None = None,
@@ -83,29 +263,12 @@ def _token_logprobs(model, ids, attn, mask, temperature, entropy, chunk, positio
     select = mask is not None and h.device.type != "meta"
     cols = mask > 0 if select else None
     hs, tg = (h[cols], targets[cols]) if select else (h.reshape(-1, h.shape[-1]), targets.reshape(-1))  # (N, H), (N,)
-    grad = torch.is_grad_enabled()
-    lps, ents = [], []
-    for s in range(0, hs.shape[0], chunk):
-        args = (head, model.config, hs[s:s + chunk], tg[s:s + chunk], temperature)
-        if grad and entropy == "loss":
-            lp, ent = checkpoint(_chunk, *args, True, use_reentrant=False)
-        elif grad:
-            lp, _ = checkpoint(_chunk, *args, False, use_reentrant=False)
-            if entropy == "metric":
-                with torch.no_grad():
-                    _, ent = _chunk(*args, True)
-        else:
-            lp, ent = _chunk(*args, entropy is not None)
-        lps.append(lp)
-        if entropy:
-            ents.append(ent)
+    lp, ent = head_logprobs(head, model.config, hs, tg, temperature, entropy, chunk)
     out = []
-    for parts in (lps, ents if entropy else None):
-        if parts is None:
+    for flat in (lp, ent):
+        if flat is None:
             out.append(None)
-            continue
-        flat = torch.cat(parts) if parts else hs.new_zeros(0, dtype=torch.float32)
-        if select:
+        elif select:
             out.append(torch.zeros(cols.shape, dtype=torch.float32, device=h.device).masked_scatter(cols, flat))
         else:
             full = flat.view(targets.shape)

@@ -110,7 +110,9 @@ def test_learner_moves_every_input_to_its_models_device(tiny, learner_env, kind)
     assert out.shape == batch["mask"].shape and out.device.type == "cpu"
     loss, met = learner.loss({k: v[:2] for k, v in batch.items()}, kl_loss_coef=0.1)  # a training micro-batch
     assert loss.device == META and loss.dim() == 0
-    head = "lm_head" if kind == "policy" else "score"
+    # the policy's LM head runs as rlhf_core.rl.logprobs' fused function on its weight (no module call; a CPU
+    # tensor against the meta weight would raise there): the last module before it is the final norm
+    head = "model.norm" if kind == "policy" else "score"
     assert "model.embed_tokens" in seen and head in seen and len(seen) > 6  # the whole model ran under the guard
 
 

@@ -54,9 +54,11 @@ def by_hand(model, ids, attn, T):
     return lp.gather(-1, ids[:, 1:, None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
 
 
+@pytest.mark.parametrize("backend", ["fused", "chunked"])
 @pytest.mark.parametrize("arch", [LlamaConfig, Gemma2Config])  # Gemma-2: final logit soft-capping
 @pytest.mark.parametrize("T", [0.3, 1.0, 1.3])
-def test_chunked_logprobs_and_entropy_equal_the_full_softmax(arch, T):
+def test_chunked_logprobs_and_entropy_equal_the_full_softmax(arch, T, backend, monkeypatch):
+    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", backend)
     extra = {"final_logit_softcapping": 5.0} if arch is Gemma2Config else {}
     model = tiny(arch, **extra)
     ids, attn, mask = batch()
@@ -72,7 +74,9 @@ def test_chunked_logprobs_and_entropy_equal_the_full_softmax(arch, T):
         torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-4)
 
 
-def test_entropy_for_the_log_has_no_graph_and_none_is_not_computed():
+@pytest.mark.parametrize("backend", ["fused", "chunked"])
+def test_entropy_for_the_log_has_no_graph_and_none_is_not_computed(backend, monkeypatch):
+    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", backend)
     model = tiny(LlamaConfig)
     ids, attn, mask = batch()
     lp, ent = logprobs.token_logprobs(model, ids, attn, mask, 1.0, "metric")
@@ -81,6 +85,107 @@ def test_entropy_for_the_log_has_no_graph_and_none_is_not_computed():
     with torch.no_grad():
         full = losses.token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
     torch.testing.assert_close(lp.detach(), full * mask, atol=2e-5, rtol=0)
+
+
+def _by_hand_head(h, w, b, targets, scale, cap, T):
+    z = torch.nn.functional.linear(h, w, b) * scale
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    lp = torch.log_softmax(z / T, -1)
+    return lp.gather(-1, targets[:, None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
+
+
+@pytest.mark.parametrize("scale,cap,T", [(1.0, None, 1.0), (0.0625, None, 0.7), (1.0, 4.0, 1.0), (3.0, 2.5, 0.6)])
+def test_fused_head_gradients_equal_float64_autograd(scale, cap, T):
+    """FusedHeadLogprobs's hand-written backward (fp32 inside, as the logits are cast to fp32) against autograd of
+    the plain computation in float64: the gradients of h, the weight and the bias through log p and the
+    entropy, the scale (Cohere / Granite), the soft-cap (Gemma-2) and the temperature, with chunks (3) that
+    cut the tokens apart."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 7, 5, 11
+    h, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in ((N, H), (V, H), (V,)))
+    t = torch.randint(0, V, (N,), generator=g)
+    up = torch.randn(2, N, generator=g, dtype=torch.float64)
+    lp, ent = logprobs.FusedHeadLogprobs.apply(h, w, b, t, scale, cap, T, "loss", 3)
+    got = torch.autograd.grad((lp.double() * up[0]).sum() + (ent.double() * up[1]).sum(), (h, w, b))
+    want_lp, want_ent = _by_hand_head(h, w, b, t, scale, cap, T)
+    want = torch.autograd.grad((want_lp * up[0]).sum() + (want_ent * up[1]).sum(), (h, w, b))
+    torch.testing.assert_close(lp.double(), want_lp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.double(), want_ent.detach(), atol=1e-5, rtol=0)
+    for a, e in zip(got, want):
+        assert float(e.abs().max()) > 0.05
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("entropy", [None, "metric", "loss"])
+def test_fused_head_equals_autograd_of_the_plain_computation(entropy):
+    """fp32, a head with a bias, a frozen weight (no weight gradient asked) and a trainable one: values and
+    gradients of h / weight / bias equal autograd through the plain (N, V) computation."""
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 37, 16, 301
+    h0 = torch.randn(N, H, generator=g)
+    w0, b0 = torch.randn(V, H, generator=g) * 0.3, torch.randn(V, generator=g)
+    t = torch.randint(0, V, (N,), generator=g)
+    up_lp, up_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    for frozen in (False, True):
+        h, w, b = h0.clone().requires_grad_(), w0.clone().requires_grad_(not frozen), b0.clone().requires_grad_()
+        lp, ent = logprobs.FusedHeadLogprobs.apply(h, w, b, t, 1.0, 3.0, 0.8, entropy, 8)
+        loss = (lp * up_lp).sum() + ((ent * up_ent).sum() if entropy == "loss" else 0)
+        loss.backward()
+        hr, wr, br = h0.clone().requires_grad_(), w0.clone().requires_grad_(not frozen), b0.clone().requires_grad_()
+        rlp, rent = _by_hand_head(hr, wr, br, t, 1.0, 3.0, 0.8)
+        ((rlp * up_lp).sum() + ((rent * up_ent).sum() if entropy == "loss" else 0)).backward()
+        torch.testing.assert_close(lp, rlp.detach(), atol=1e-5, rtol=0)
+        if entropy:
+            torch.testing.assert_close(ent, rent.detach(), atol=1e-5, rtol=0)
+            assert ent.requires_grad == (entropy == "loss")
+        else:
+            assert ent.numel() == 0
+        for got, want in ((h.grad, hr.grad), (b.grad, br.grad)) + (() if frozen else ((w.grad, wr.grad),)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert frozen == (w.grad is None)
+
+
+def test_the_backend_is_chosen_by_the_head_and_refused_by_name(monkeypatch):
+    """ZeRO-3-partitioned weights and heads that are not a plain Linear go through the module (chunked); the CUDA
+    kernels are never picked on CPU; an unknown name is refused naming the variable."""
+    lin = torch.nn.Linear(4, 9, bias=False)
+    h = torch.zeros(2, 4)
+    assert logprobs.backend(lin, h) == "fused"
+    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", "cce")
+    assert logprobs.backend(lin, h) == "fused"  # CPU: no kernel
+    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", "fused")
+    lin.weight.ds_id = 3  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    assert logprobs.backend(lin, h) == "chunked"
+    assert logprobs.backend(torch.nn.Sequential(torch.nn.Linear(4, 9)), h) == "chunked"
+    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", "triton")
+    with pytest.raises(ValueError, match="RLHF_FLOWS_LOGPROBS='triton' is not one of fused, chunked, cce, liger"):
+        logprobs.backend(torch.nn.Linear(4, 9), h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["fused", "chunked", "cce", "liger"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_backend_on_cuda_equals_the_plain_computation(backend, dtype, monkeypatch):
+    """On CUDA: each backend (cce / liger where installed) against autograd through the plain logits, a Gemma-2
+    model (soft-capping) at T 0.7: log-probs and the gradients of every parameter, fp32 and bf16."""
+    if backend == "cce":
+        pytest.importorskip("cut_cross_entropy")
+    if backend == "liger":
+        pytest.importorskip("liger_kernel")
+    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", backend)
+    model = tiny(Gemma2Config, final_logit_softcapping=5.0).to("cuda", dtype)
+    ids, attn, mask = (x.cuda() for x in batch())
+    lp, _ = logprobs.token_logprobs(model, ids, attn, mask, 0.7)
+    (lp * mask).sum().backward()
+    grads = [p.grad.float().clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_lp, _ = by_hand(model, ids, attn, 0.7)
+    (ref_lp * mask).sum().backward()
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(lp, ref_lp * mask, atol=tol, rtol=0)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad.float(), atol=tol, rtol=tol)
 
 
 def qwen2_7b_on_meta():
