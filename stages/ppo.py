@@ -43,7 +43,7 @@ from rlhf_core.rl import rl_math
 from rlhf_core import store
 from rlhf_core.rollout.generation import model_input
 from rlhf_core.rollout.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
-from rlhf_core.train import checkpoints
+from rlhf_core.train import attention, checkpoints
 from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig
 
@@ -171,6 +171,17 @@ class Config(StageConfig):
                                      "forwards (--ref_reward_offload).")
     packing_samples: bool = Field(False, description="Pack samples into rows without padding, per-sample position ids "
                                   "(--packing_samples).")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "sdpa", description="transformers' attention kernel of the policy, critic and reference, as the trainers' "
+        "(OpenRLHF --flash_attn = flash_attention_2, CUDA + the flash_attn package). Packed and shared-prompt rows: "
+        "flex_attention builds a block mask (no (T, T) tensor; CUDA only), flash_attention_2 packs by position ids "
+        "(its varlen kernel has no shared prefix: shared_prompt groups go packed), sdpa / eager get a dense (T, T) "
+        "mask. Checked on each role's host; models with attention soft-capping (Gemma-2): not sdpa.")
+    shared_prompt: bool = Field(True, description="The samples of one prompt go through the policy, critic and "
+                                "reference as one row: the prompt once, then one branch per sample that attends to "
+                                "the prompt and to itself only (outputs equal the padded rows'); training micro-batches "
+                                "keep each prompt's samples together. No peer does this for GRPO; false: one row per "
+                                "sample (padded, or packed with packing_samples).")
     use_dynamic_batch: bool = Field(False, description="Micro-batches bounded by tokens instead of rows "
                                     "(--use_dynamic_batch).")
     train_max_tokens_per_gpu: int = Field(16192, ge=1, description="use_dynamic_batch: tokens per training "
@@ -484,6 +495,8 @@ def run(cfg: Config) -> store.Manifest:
         raise ConfigError(f"bf16: {torch.cuda.get_device_name()} has no bfloat16 support; set bf16=false")
     policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
     tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)
+    # the model's refusals here; the host's (CUDA, flash_attn) too when the roles run on this host's local Ray
+    attention.check(cfg.attn_implementation, policy_dir, host=cfg.ray_address is None)
     rows, prompt_ids, truncated = load_prompts(cfg, tok)
     # the roles get the models' URIs and fetch them into their own node's cache (rlhf_core.ppo.node_store); the
     # driver's copies (its own cache) serve the checks here

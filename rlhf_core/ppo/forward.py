@@ -1,5 +1,6 @@
 """The roles' forwards over a batch of experience: per-token log-probs (and entropy) of the tempered policy and
-critic values, padded or packed into one row without padding (`token_outputs`), and how a batch is cut into
+critic values, padded, packed into one row without padding, or with each prompt once and a branch per sample
+(shared_prompt: GRPO's groups) (`token_outputs`), and how a batch is cut into
 micro-batches (a fixed number of rows, or use_dynamic_batch's token bound). Shared by the Learner and the
 Reference (roles.py).
 
@@ -12,6 +13,17 @@ import torch
 
 from rlhf_core.rl import logprobs
 from rlhf_core.runtime.devices import device, to_device, to_host
+
+
+def model_kwargs(hp: dict, model_dir) -> dict:
+    """from_pretrained's extra arguments of a role's model: the attention implementation (attn_implementation,
+    OpenRLHF's --flash_attn = flash_attention_2), refused here, on the role's own host, when this host or the
+    model cannot run it (rlhf_core.train.attention.check names the field and what this host has)."""
+    from rlhf_core.train import attention
+
+    impl = hp.get("attn_implementation", "sdpa")
+    attention.check(impl, model_dir)
+    return {"attn_implementation": impl}
 
 
 def policy_logprobs(model, batch: dict, temperature: float = 1.0, entropy: str | None = None):
@@ -28,30 +40,61 @@ def critic_values(model, batch: dict) -> torch.Tensor:
         input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).last_hidden_state).squeeze(-1)[:, :-1].float())
 
 
-def _packed(batch: dict):
-    """The rows of a right-padded batch as one packed row without padding (rlhf_core.train.batches.collate:
-    position ids restart at each sample, `doc` marks the samples), and the map back: padded (rows, cols)
-    # (M,) each <- packed column `flat` # (M,), for every column t < n_i - 1 of sample i (the last column of
-    a sample predicts the next sample's first token: it is dropped)."""
+def prompt_groups(batch: dict) -> list[list[int]]:
+    """Row indices of `batch` grouped by prompt (the tokens before the first action column; a row without one is
+    its own group), groups in order of first appearance: GRPO's n samples of a prompt form one group."""
+    ids, mask = batch["ids"], batch.get("mask")
+    lens = batch["attn"].sum(-1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for i, n in enumerate(lens):
+        act = (mask[i] > 0).nonzero() if mask is not None else []
+        p = int(act[0]) + 1 if len(act) else n
+        groups.setdefault(tuple(ids[i, :p].tolist()) if len(act) else ("row", i), []).append(i)
+    return list(groups.values())
+
+
+def grouped_order(batch: dict, generator: torch.Generator) -> torch.Tensor:
+    """A random order of the rows that keeps each prompt group together (groups shuffled, rows in place), so the
+    training micro-batches hold whole groups and their prompt is forwarded once (shared_prompt)."""
+    groups = prompt_groups(batch)
+    return torch.tensor([i for k in torch.randperm(len(groups), generator=generator).tolist() for i in groups[k]])
+
+
+def _layout(batch: dict, groups: list[list[int]] | None):
+    """The rows of a right-padded batch without padding, as one packed row (rlhf_core.train.batches.collate:
+    position ids restart at each sample) or, given `groups` (prompt_groups), one row per group with the prompt once
+    (batches.collate_groups); and the map back: padded (rows, cols) # (M,) each <- flat position `flat` # (M,)
+    (row * T + column) of the layout, for every column t < n_i - 1 of sample i."""
     from rlhf_core.train import batches
 
     lens = batch["attn"].sum(-1).tolist()
-    packed = batches.collate([batch["ids"][i, :n].tolist() for i, n in enumerate(lens)], [0] * len(lens), 0,
-                             packed=True)
-    offsets = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
+    seqs = [batch["ids"][i, :n].tolist() for i, n in enumerate(lens)]
+    if groups:
+        b, where = batches.collate_groups([[seqs[i] for i in g] for g in groups], 0)
+        at = dict(zip((i for g in groups for i in g), where))
+    else:
+        b = batches.collate(seqs, [0] * len(seqs), 0, packed=True)
+        offsets = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
+        at = {i: torch.arange(n) + o for i, (n, o) in enumerate(zip(lens, offsets))}
     rows = torch.cat([torch.full((n - 1,), i) for i, n in enumerate(lens)])
     cols = torch.cat([torch.arange(n - 1) for n in lens])
-    flat = torch.cat([torch.arange(n - 1) + o for n, o in zip(lens, offsets)])
-    return packed, (rows, cols, flat)
+    flat = torch.cat([at[i][:n - 1] for i, n in enumerate(lens)])  # the last token of a sample predicts nothing
+    return b, (rows, cols, flat)
 
 
 def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entropy: str | None = None,
-                  packing: bool = False):
+                  packing: bool = False, shared: bool = False):
     """(log-probs of the tempered policy (kind "policy") or values ("critic") # (B, L - 1), entropy or None,
     tokens forwarded). With `packing` (OpenRLHF's --packing_samples) the rows go through the model as one
-    packed row (no padding forwarded; the mask from rlhf_core.train.attention: flex / flash where the model
-    uses them, else a dense mask, logged once) and the outputs come back in the padded (B, L - 1) layout."""
-    if not packing:
+    packed row (no padding forwarded); with `shared` (shared_prompt) the rows of one prompt go as one row with
+    the prompt once and a branch per sample (batches.collate_groups; where no two rows share a prompt, or under
+    flash_attention_2, whose varlen kernel has no shared prefix: padded or packed as without it). The mask comes from rlhf_core.train.attention (flex / flash where the
+    model uses them, else a dense mask, logged once); the outputs come back in the padded (B, L - 1) layout."""
+    # shared: where rows share a prompt (a meta tensor, in the device tests, has no tokens to compare)
+    groups = prompt_groups(batch) if shared and batch["ids"].device.type != "meta" else None
+    if groups is None or all(len(g) == 1 for g in groups) or model.config._attn_implementation.startswith("flash"):
+        groups = None
+    if not (packing or groups):
         tokens = batch["ids"].numel()
         if kind == "policy":
             return (*policy_logprobs(model, batch, temperature, entropy), tokens)
@@ -59,24 +102,24 @@ def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entro
     from rlhf_core.train import attention
 
     dev = batch["ids"].device
-    pb, (rows, cols, flat) = _packed(batch)
+    pb, (rows, cols, flat) = _layout(batch, groups)
     kw = attention.model_inputs(model, pb, dev)
     rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
     B, T = batch["ids"].shape[0], batch["ids"].shape[1] - 1
 
-    def unpack(x):  # (1, N - 1) -> (B, L - 1), zeros where a row has no token (autograd flows through)
-        return x.new_zeros(B, T).index_put((rows, cols), x[0, flat])
+    def unpack(x, r, c):  # (M,) -> (B, L - 1), zeros where a row has no output (autograd flows through)
+        return x.new_zeros(B, T).index_put((r, c), x)
 
     if kind == "critic":
         core = getattr(model, model.base_model_prefix)
-        v = logprobs.through_top(model, lambda: model.score(core(**kw, use_cache=False).last_hidden_state))  # (1, N, 1)
-        return unpack(v.squeeze(-1)[:, :-1].float()), None, pb.input_ids.numel()
+        v = logprobs.through_top(model, lambda: model.score(core(**kw, use_cache=False).last_hidden_state))  # (R, T', 1)
+        return unpack(v.reshape(-1)[flat].float(), rows, cols), None, pb.input_ids.numel()
     mask = batch.get("mask")
-    pmask = torch.zeros((1, pb.input_ids.shape[1] - 1), device=dev)
-    pmask[0, flat] = mask[rows, cols].float() if mask is not None else 1.0
-    lp, ent = logprobs.token_logprobs(model, kw["input_ids"], kw["attention_mask"], pmask, temperature, entropy,
-                                      position_ids=kw["position_ids"])
-    return unpack(lp), unpack(ent) if ent is not None else None, pb.input_ids.numel()
+    if mask is not None:  # only the action columns go through the head
+        sel = mask[rows, cols] > 0
+        rows, cols, flat = rows[sel], cols[sel], flat[sel]
+    lp, ent = logprobs.selected_logprobs(model, kw, flat, batch["ids"][rows, cols + 1], temperature, entropy)
+    return unpack(lp, rows, cols), unpack(ent, rows, cols) if ent is not None else None, pb.input_ids.numel()
 
 
 def rows_of(batch: dict, idx) -> dict:

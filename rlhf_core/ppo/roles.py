@@ -28,7 +28,8 @@ import torch
 
 from rlhf_core.rl import losses, rl_math
 from rlhf_core.ppo import node_store, weight_sync
-from rlhf_core.ppo.forward import experience, micro_batches, rows_of, token_outputs, trimmed
+from rlhf_core.ppo.forward import (experience, grouped_order, micro_batches, model_kwargs, rows_of, token_outputs,
+                                   trimmed)
 from rlhf_core.runtime.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
 from rlhf_core.train import adamw, no_lone_allreduce
 
@@ -116,10 +117,11 @@ class Learner:
 
             zero3 = HfDeepSpeedConfig(ds)  # transformers reads it (a weak reference) while this object lives
         if self.kind == "policy":
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True,
+                                                         **model_kwargs(hp, model_dir))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
-                                                                       use_safetensors=True)
+                                                                       use_safetensors=True, **model_kwargs(hp, model_dir))
         del zero3
         return model
 
@@ -163,7 +165,7 @@ class Learner:
 
     def _outputs(self, b: dict, entropy: str | None = None):
         lp, ent, n = token_outputs(self.module, b, self.kind, self.hp["temperature"], entropy,
-                                   self.hp["packing_samples"])
+                                   self.hp["packing_samples"], self.hp.get("shared_prompt", False))
         self.forwarded_tokens += n
         return lp, ent
 
@@ -252,7 +254,8 @@ class Learner:
         count, tokens, t0, forwarded = 0, 0, time.perf_counter(), self.forwarded_tokens
         self._ptx_gen = None  # PTX rows of this call drawn from (seed, optimizer step, rank)
         for _ in range(hp["max_epochs"]):
-            for b, scale, boundary in self._steps(batch, torch.randperm(n, generator=g)):
+            order = grouped_order(batch, g) if hp.get("shared_prompt") else torch.randperm(n, generator=g)  # whole groups
+            for b, scale, boundary in self._steps(batch, order):
                 loss, met = self.loss(b, kl_loss_coef)
                 if boundary is not None:
                     eng.set_gradient_accumulation_boundary(boundary)
@@ -366,7 +369,8 @@ class Reference:
         if world == 1:
             from transformers import AutoModelForCausalLM
 
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, use_safetensors=True)
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, use_safetensors=True,
+                                                              **model_kwargs(hp, self.model_dir))
             self.model.to("cpu" if self._offload() else self.device).eval()
 
     def _offload(self) -> bool:
@@ -398,7 +402,8 @@ class Reference:
         ds = {"train_batch_size": self.world, "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
               "bf16": {"enabled": self.hp["bf16"]}, "steps_per_print": 10 ** 9}
         keep = HfDeepSpeedConfig(ds)  # noqa: F841  from_pretrained builds inside zero.Init while it lives
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, use_safetensors=True,
+                                                     **model_kwargs(self.hp, self.model_dir))
         del keep
         self.model = deepspeed.initialize(model=model, config=ds)[0].module.eval()
         return self.rank
@@ -424,7 +429,8 @@ class Reference:
             self.model.to(self.device)
         hp = self.hp
         out = experience(batch, hp, self.device, lambda b: token_outputs(self.model, b, "policy", hp["temperature"],
-                                                                          packing=hp["packing_samples"])[0])
+                                                                          packing=hp["packing_samples"],
+                                                                          shared=hp.get("shared_prompt", False))[0])
         if moved:
             self.model.to("cpu")
             torch.cuda.empty_cache()

@@ -1,10 +1,11 @@
 """How a batch's attention layout reaches the model, for every attention implementation.
 
 A Batch is padded (one sample per row: the (R, T) padding mask, from which transformers builds each layer's
-own mask: causal, sliding window, padding), packed (samples one after another in one row) or pairs (a shared
-prompt, then the chosen and the rejected response in one row; batches.collate_pairs). Packed and pairs are one
+own mask: causal, sliding window, padding), packed (samples one after another in one row), pairs (a shared
+prompt, then the chosen and the rejected response in one row; batches.collate_pairs) or groups (a shared
+prompt, then n responses: GRPO's samples of one prompt; batches.collate_groups). Packed, pairs and groups are one
 mask *function* of three # (R, T) tensors, doc (the sequence of a token, -1 padding), branch (0 the shared
-prompt, 1 / 2 a pair's responses) and pos (position ids): q may attend kv iff same doc, kv <= q, kv in the
+prompt, k the k-th response) and pos (position ids): q may attend kv iff same doc, kv <= q, kv in the
 shared part or in q's own branch and, on a sliding-window layer, pos[q] - pos[kv] < window. The window counts
 positions, not columns: a rejected token sits after the chosen ones but is `pos` tokens from its sequence's
 start, as in the two-row layout (transformers' sliding_window_overlay: kv > q - window). From that function,
@@ -13,7 +14,8 @@ for each attention type the model's layers use ("full_attention", "sliding_atten
 - sdpa / eager: a dense bool / additive (R, 1, T, T) mask, the fallback (named once in the job log);
 - flash_attention_2: no mask: a packed row reaches FlashAttention's varlen kernel through its position-id
   resets (transformers' _flash_attention_forward derives cu_seqlens from them). Varlen cannot express a shared
-  prefix, so under flash pairs are forwarded as two sequences (entry.batch_of: packed or padded).
+  prefix, so under flash pairs are forwarded as two sequences (entry.batch_of: packed or padded) and groups
+  as packed samples (rlhf_core.ppo.forward).
 A model whose layers share one type gets that mask (transformers passes a prepared 4-D mask or BlockMask
 through unchanged); one with several (Gemma-2/3 alternate sliding and full) gets {layer type: mask}, which
 their forwards take as prepared per-type masks (causal_mask_mapping in modeling_gemma2.py).
@@ -49,13 +51,14 @@ def available() -> dict[str, str | None]:
     return why
 
 
-def check(impl: str, model_dir=None, field: str = "attn_implementation") -> None:
-    """ValueError naming `field` when this host (and, given `model_dir`, the model) cannot run `impl`."""
+def check(impl: str, model_dir=None, field: str = "attn_implementation", host: bool = True) -> None:
+    """ValueError naming `field` when this host (and, given `model_dir`, the model) cannot run `impl`. `host`
+    False: the model's refusals only (a driver whose roles run on other machines: ppo on a Ray cluster)."""
     why = available()
     if impl not in why:
         raise ValueError(f"{field}={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    ok = [k for k, v in why.items() if v is None]
-    if why[impl]:
+    ok = [k for k, v in why.items() if v is None] if host else list(IMPLEMENTATIONS)
+    if why[impl] and host:
         raise ValueError(f"{field}={impl}: {why[impl]}; available here: {', '.join(ok)}")
     if model_dir is None:
         return
@@ -112,7 +115,7 @@ def _log_once(msg: str) -> None:
 
 
 def layout_masks(config, b, device, dtype: torch.dtype):
-    """The attention_mask argument for a packed or pairs Batch `b` under config._attn_implementation: one
+    """The attention_mask argument for a packed, pairs or groups Batch `b` under config._attn_implementation: one
     mask, or {layer type: mask} for a model with several layer types; None under flash_attention_2."""
     impl = config._attn_implementation
     doc, branch, pos = (t.to(device) for t in (b.doc, b.branch, b.position_ids))

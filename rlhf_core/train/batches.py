@@ -325,6 +325,41 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
                  doc=doc, branch=part.clamp(min=0), layout="pairs")
 
 
+def collate_groups(groups: list[list[list[int]]], pad_id: int) -> tuple[Batch, list[torch.Tensor]]:
+    """Samples that share their prompt (GRPO's n samples of a prompt), one row per group: [shared prefix | branch 1
+    | ... | branch n], the prefix forwarded once instead of n times; collate_pairs's layout with n branches. Each
+    branch attends to the prefix and to itself only, at the positions it would have alone (branch = k for the
+    k-th sample, 0 for the prefix: attention.mask_function), so every output equals the padded layout's. The
+    prefix is the common prefix of the group's token lists, kept one token short of the shortest (each branch
+    holds a token): it may run past the prompt into responses that begin alike, which is exact too (a shared
+    token has the same context in every sample). Returns the Batch (layout "groups", no loss targets: the
+    caller reads outputs by position) and, per sample in group order, the flat index (row * T + column) of each
+    of its tokens # (n_j,)."""
+    ids, pos, part, where = [], [], [], []
+    for g in groups:
+        L = min(len(s) for s in g) - 1
+        for s in g[1:]:
+            L = next((k for k in range(L) if s[k] != g[0][k]), L)
+        row, rpos, rpart = list(g[0][:L]), list(range(L)), [0] * L
+        for k, s in enumerate(g, 1):
+            where.append((len(ids), list(range(L)) + list(range(len(row), len(row) + len(s) - L))))
+            row += s[L:]
+            rpos += range(L, len(s))
+            rpart += [k] * (len(s) - L)
+        ids.append(row)
+        pos.append(rpos)
+        part.append(rpart)
+    T = max(len(r) for r in ids)
+    ids, pos, part = _padded(ids, pad_id, T), _padded(pos, 0, T), _padded(part, -1, T)
+    doc = torch.where(part >= 0, 0, -1)  # one sequence per row; -1 padding
+    n = sum(len(g) for g in groups)
+    seg = torch.full(ids.shape, n, dtype=torch.long)
+    real = sum(len(s) for g in groups for s in g)
+    b = Batch(ids, pos, None, torch.zeros_like(ids), seg, torch.zeros((n, 2), dtype=torch.long), n, real,
+              doc=doc, branch=part.clamp(min=0), layout="groups")
+    return b, [torch.tensor(cols, dtype=torch.long) + r * T for r, cols in where]
+
+
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Sum of next-token values over each sample's targets. values # (R, T-1) aligned to targets 1..T-1 -> # (n,)."""
     seg = batch.segment[:, 1:].reshape(-1)
