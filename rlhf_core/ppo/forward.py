@@ -82,6 +82,27 @@ def _layout(batch: dict, groups: list[list[int]] | None):
     return b, (rows, cols, flat)
 
 
+def _shared_pays(batch: dict, groups: list[list[int]], model, packing: bool) -> bool:
+    """Whether a dense attention mask (sdpa / eager) makes the shared rows cheaper than the rows without sharing.
+    A dense mask computes every (query, key) pair of a row, so a row of the prompt and n long branches costs
+    (P + nR)^2 in attention against n (P + R)^2: at 32-token prompts and 128-token responses, n 8, the shared
+    rows took 1.8x the padded rows' time on CPU (benchmarks/RESULTS.md), at 128 : 64 half. Cost per row of T
+    tokens: T + T^2 / hidden (projections and MLP per token; attention per pair, its measured weight on CPU).
+    flex_attention computes only the blocks the mask allows: there sharing always pays."""
+    H = model.config.get_text_config().hidden_size
+    lens = batch["attn"].sum(-1).tolist()
+    cost = (lambda T: T + T * T / H)  # noqa: E731
+    without = cost(sum(lens)) if packing else len(lens) * cost(max(lens))
+    shared = 0.0
+    for g in groups:
+        s = [batch["ids"][i, :lens[i]].tolist() for i in g]
+        L = min(map(len, s)) - 1
+        for x in s[1:]:
+            L = next((k for k in range(L) if x[k] != s[0][k]), L)
+        shared += cost(L + sum(len(x) - L for x in s))
+    return shared < without
+
+
 def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entropy: str | None = None,
                   packing: bool = False, shared: bool = False):
     """(log-probs of the tempered policy (kind "policy") or values ("critic") # (B, L - 1), entropy or None,
@@ -93,6 +114,8 @@ def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entro
     # shared: where rows share a prompt (a meta tensor, in the device tests, has no tokens to compare)
     groups = prompt_groups(batch) if shared and batch["ids"].device.type != "meta" else None
     if groups is None or all(len(g) == 1 for g in groups) or model.config._attn_implementation.startswith("flash"):
+        groups = None
+    elif model.config._attn_implementation != "flex_attention" and not _shared_pays(batch, groups, model, packing):
         groups = None
     if not (packing or groups):
         tokens = batch["ids"].numel()
