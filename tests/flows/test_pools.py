@@ -21,6 +21,7 @@ import yaml
 
 from rlhf_core.demo import demo_task
 from rlhf_core import store
+from rlhf_core.train import checkpoints
 from stages.common import ConfigError
 from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifests
 
@@ -35,10 +36,12 @@ def _run(prefect_server, cfg: Path, log: Path, marker: str) -> subprocess.Popen:
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _exists(uri: str) -> bool:
+def _saved_checkpoint(uri: str) -> bool:
+    """A checkpoint under `uri` whose marker is written (a folder alone may be a save the kill interrupts: the
+    rerun then rightly starts from step 0, which the clean-clone run under load once hit)."""
     fs, path = store.filesystem(uri)
     fs.invalidate_cache()
-    return fs.exists(path)
+    return bool(fs.glob(f"{path}/*/{checkpoints.MARKER}"))
 
 
 def _children(api: str, run_name: str) -> dict[str, list[dict]]:
@@ -88,7 +91,7 @@ def test_stages_on_two_pools_then_a_dead_training_worker_and_a_resume(demo_run, 
         #    flow run's process once dpo has saved a checkpoint
         proc = _run(prefect_server, cfg, tmp_path / "run-1.log", markers["flow"])
         deadline = time.time() + 420
-        while not (_exists(f"{run}/iter-1/dpo/checkpoints") and not store.committed_any(f"{run}/iter-1/dpo")):
+        while not (_saved_checkpoint(f"{run}/iter-1/dpo/checkpoints") and not store.committed_any(f"{run}/iter-1/dpo")):
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "run-1.log").read_text()[-3000:]
             time.sleep(0.3)
         os.killpg(workers["train"].pid, signal.SIGKILL)
