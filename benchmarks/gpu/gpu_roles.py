@@ -139,7 +139,9 @@ def learner_hp(bf16: bool, zero_stage: int, samples: int, micro: int, new_tokens
                eps_clip_low_high=None, loss_agg=None, advantage_estimator="group_norm", deepspeed_enable_sleep=False,
                ref_num_nodes=1, ref_num_gpus_per_node=1, ref_reward_offload=False, packing_samples=False,
                use_dynamic_batch=False, train_max_tokens_per_gpu=16192, rollout_max_tokens_per_gpu=None,
-               adam_offload=False, value_head_prefix="score", pretrain_data=None, ptx_coef=0.05, weight_sync_bucket_mb=256)
+               adam_offload=False, value_head_prefix="score", pretrain_data=None, ptx_coef=0.05, weight_sync_bucket_mb=256,
+               kl_loss_agg="token", loss_agg_empty_rows="drop",  # issue 37: OpenRLHF's KL-loss token mean
+               attn_implementation="sdpa", shared_prompt=False)  # one row per sample (written before shared prompts)
     return loop.learner_settings(SimpleNamespace(**cfg))
 
 

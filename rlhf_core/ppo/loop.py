@@ -108,7 +108,8 @@ def learner_settings(cfg) -> dict:
             "ptx_coef": cfg.ptx_coef if cfg.pretrain_data else 0.0,
             "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,
             "rollout_max_tokens_per_gpu": cfg.rollout_max_tokens_per_gpu or cfg.train_max_tokens_per_gpu,
-            "loss_agg": cfg.loss_agg or ("seq-sum-norm" if cfg.advantage_estimator == "dr_grpo" else "token")}
+            "loss_agg": cfg.loss_agg or "token", "kl_loss_agg": cfg.kl_loss_agg or cfg.loss_agg or "token",
+            "loss_agg_empty_rows": cfg.loss_agg_empty_rows}
 
 
 def executor(cfg, roles: Roles, tok, agent_cls, step: int):

@@ -174,10 +174,10 @@ class Learner:
         """The loss of one micro-batch `b` (moved to this rank's device here) and its detached metrics."""
         b = to_device(b, self.device)
         hp, mask = self.hp, b["mask"]
-        agg, max_len = hp["loss_agg"], hp["generate_max_len"]
+        agg, max_len, empty = hp["loss_agg"], hp["generate_max_len"], hp.get("loss_agg_empty_rows", "drop")
         if self.kind == "critic":
             v = self._outputs(b)[0]
-            loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg)
+            loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg, empty)
             return loss, {"critic_loss": loss.detach()}
         lp, ent = self._outputs(b, "loss" if hp["entropy_loss_coef"] else "metric")
         reused = "old_logp" not in b  # on-policy single update: this forward is the old policy (loop.train)
@@ -185,7 +185,7 @@ class Learner:
         w = rl_math.rollout_is_weight(old, b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
                                       hp["use_icepop"]) if hp["enable_vllm_is_correction"] else None
         loss, met = rl_math.policy_loss(lp, old, b["adv"], mask, hp["eps_clip_low"], hp["eps_clip_high"],
-                                        hp["dual_clip"], agg, max_len, w)
+                                        hp["dual_clip"], agg, max_len, w, empty)
         met = {"policy_loss": loss.detach(), **met, "entropy": losses.reduce_tokens(ent.detach(), mask)}
         if reused and "rollout_logp" in b:
             met["rollout_logprob_gap"] = losses.reduce_tokens((b["rollout_logp"] - old).abs(), mask)
@@ -193,11 +193,12 @@ class Learner:
             met["is_weight"] = losses.reduce_tokens(w, mask)
             met["is_masked"] = losses.reduce_tokens((w == 0).float(), mask)
         if hp["use_kl_loss"]:
-            kl = rl_math.aggregate(rl_math.kl_estimate(lp, b["ref_logp"], hp["kl_estimator"]), mask, agg, max_len)
+            kl = rl_math.kl_loss(lp, b["ref_logp"], mask, hp["kl_estimator"], hp.get("kl_loss_agg", "token"), max_len,
+                                 empty)  # the token mean, as OpenRLHF, unless kl_loss_agg says otherwise
             loss = loss + kl_loss_coef * kl
             met["kl_loss"] = kl.detach()
         if hp["entropy_loss_coef"]:
-            loss = loss - hp["entropy_loss_coef"] * rl_math.aggregate(ent, mask, agg, max_len)
+            loss = loss - hp["entropy_loss_coef"] * rl_math.aggregate(ent, mask, agg, max_len, empty)
         if self.pretrain and hp["ptx_coef"] > 0:
             ptx = self.ptx_loss(b["ids"].shape[0])
             loss = loss + hp["ptx_coef"] * ptx

@@ -14,7 +14,14 @@ Estimators (`advantage_estimator`):
   group_norm          (r_i - mean_group) / (std_group + eps)                  GRPO, arXiv:2402.03300
   dr_grpo             r_i - mean_group, loss summed per sequence / max_len    Dr. GRPO, arXiv:2503.20783
 Group statistics are taken in float64 and a group of equal scores gets exactly 0 (no signal, not float noise);
-the grouped estimators need gamma = 1. The reward clip applies to the shaped score (OpenRLHF's compute_reward).
+the grouped estimators need gamma = 1 and n_samples_per_prompt >= 2 (OpenRLHF's train_ppo_ray asserts n > 1 for
+rloo / reinforce_baseline / group_norm at every release from v0.7 to v0.11, and for dr_grpo from v0.11: with one
+sample the group baseline is the sample itself and every score advantage is 0). The reward clip applies to the
+shaped score (OpenRLHF's compute_reward; its default range is (-10, 10)).
+
+Aggregation (`aggregate`), as OpenRLHF's loss.aggregate_loss: token (the masked mean over the micro-batch's
+tokens, OpenRLHF's default and its only mode for the KL loss), sequence (the mean of each row's token mean, rows
+with no action token left out, as OpenRLHF v0.11 and verl do) or seq-sum-norm (Dr. GRPO's constant normaliser).
 Guards against overflow, as in the peers: the KL estimate is clamped to [-10, 10] (OpenRLHF), the PPO log-ratio
 to [-20, 20] before exp (OpenRLHF / verl).
 """
@@ -92,8 +99,9 @@ def shape_scores(scores: torch.Tensor, n: int, estimator: str, eps: float = 1e-9
     if estimator not in GROUPED:
         raise ValueError(f"unknown advantage_estimator {estimator!r}; choose one of {list(ESTIMATORS)}")
     if n < 2 or scores.numel() % n:
-        raise ValueError(f"{estimator} needs groups of n_samples_per_prompt >= 2 samples; got {scores.numel()} "
-                         f"scores with n = {n}")
+        raise ValueError(f"{estimator} needs groups of n_samples_per_prompt >= 2 samples (with one, every score "
+                         f"advantage is 0; OpenRLHF's train_ppo_ray asserts the same); got {scores.numel()} scores "
+                         f"with n = {n}")
     g = scores.double().view(-1, n)  # (prompts, n)
     flat = g.amax(-1, keepdim=True) == g.amin(-1, keepdim=True)  # (prompts, 1): std 0, no signal
     if estimator == "rloo":
@@ -181,14 +189,30 @@ def advantages_and_returns(estimator: str, scores: torch.Tensor, mask: torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------- losses
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token", max_len: int | None = None):
-    """token / sequence: losses.reduce_tokens; seq-sum-norm (Dr. GRPO): mean over rows of sum_t values / max_len,
-    a constant normaliser so a sequence's length does not scale its tokens' weight.
-    e.g. values [[1, 2], [3, 0]], mask [[1, 1], [1, 0]], max_len 4: ((1 + 2) / 4 + 3 / 4) / 2 = 0.75."""
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token", max_len: int | None = None,
+              empty_rows: Literal["drop", "zero"] = "drop"):
+    """A per-token loss # (B, T) over the action tokens `mask` # (B, T) -> a scalar.
+      token         sum(values * mask) / sum(mask)  (losses.reduce_tokens)
+      sequence      the mean over rows of each row's token mean; a row with no action token (an agent episode
+                    whose tokens are all feedback) has no mean: empty_rows "drop" leaves it out of the mean
+                    (OpenRLHF v0.11's aggregate_loss excludes fully masked sequences; verl the same), "zero"
+                    counts it as 0 (this project before issue 37)
+      seq-sum-norm  (Dr. GRPO, arXiv:2503.20783) the mean over rows of sum_t values / max_len, a constant
+                    normaliser so a sequence's length does not scale its tokens' weight (every row counts)
+    e.g. values [[1, 2], [3, 0]], mask [[1, 1], [1, 0]]: token 6 / 3 = 2; sequence (1.5 + 3) / 2 = 2.25;
+    seq-sum-norm, max_len 4: ((1 + 2) / 4 + 3 / 4) / 2 = 0.75. With a third row [5, 5] masked [0, 0]:
+    sequence drop (1.5 + 3) / 2 = 2.25, zero (1.5 + 3 + 0) / 3 = 1.5; token still 2."""
     if mode == "seq-sum-norm":
         if not max_len:
             raise ValueError("seq-sum-norm needs max_len (the generation length)")
         return ((values * mask.float()).sum(-1) / max_len).mean()
+    if mode == "sequence" and empty_rows == "drop":
+        m = mask.to(values.dtype)
+        n = m.sum(-1)  # (B,) action tokens per row
+        rows = (n > 0).to(values.dtype)
+        return ((values * m).sum(-1) / n.clamp(min=1) * rows).sum() / rows.sum().clamp(min=1)
+    if empty_rows not in ("drop", "zero"):
+        raise ValueError(f"unknown empty_rows {empty_rows!r} (drop or zero)")
     return reduce_tokens(values, mask, mode)
 
 
@@ -215,7 +239,7 @@ def rollout_is_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: f
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
                 mode: Aggregation = "token", max_len: int | None = None,
-                is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                is_weight: torch.Tensor | None = None, empty_rows: str = "drop") -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate (arXiv:1707.06347 eq. 7) with asymmetric clip [1 - eps_low, 1 + eps_high] (DAPO,
     arXiv:2503.14476) and dual clip (arXiv:1912.09729): for A < 0 the loss is capped at -dual_clip * A.
     All # (B, T); returns (scalar loss, detached metrics).
@@ -224,7 +248,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
       makes the loss inf and the gradient NaN; clamped, such a token's gradient is 0.
     e.g. ratio 2 (logp - old = ln 2), eps 0.2: A = 1: -min(2, 1.2) = -1.2; A = -1: -min(-2, -1.2) = 2, with
     dual_clip 3 still 2; ratio 4, A = -1: -min(-4, -1.2) = 4 -> with dual_clip 3: 3.
-    `is_weight` # (B, T) (rollout_is_weight) multiplies each token's loss: the off-policy correction."""
+    `is_weight` # (B, T) (rollout_is_weight) multiplies each token's loss: the off-policy correction; `mode`,
+    `max_len` and `empty_rows` reduce it (aggregate)."""
     eps_high = eps_low if eps_high is None else eps_high
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))
     surr1 = ratio * advantages
@@ -237,19 +262,31 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss = loss * is_weight
     metrics = {"clip_ratio": reduce_tokens((surr2 < surr1).float(), m).detach(),
                "ratio": reduce_tokens(ratio.detach(), m)}
-    return aggregate(loss, m, mode, max_len), metrics
+    return aggregate(loss, m, mode, max_len, empty_rows), metrics
+
+
+def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "k1",
+            mode: Aggregation = "token", max_len: int | None = None, empty_rows: str = "drop") -> torch.Tensor:
+    """The KL term of the loss (use_kl_loss, GRPO arXiv:2402.03300 eq. 3): kl_estimate(logp, ref_logp) reduced over
+    the action tokens. OpenRLHF always takes the token mean here (ppo_actor.py: masked_mean(kl, action_mask)),
+    whatever the policy loss's reduction: mode "token" by default; another mode reduces it as the policy loss.
+    All # (B, T) -> scalar. e.g. d = logp - ref = [[ln 2, ln 2], [ln 2, 0]] masked [[1, 1], [1, 0]], k1:
+    token 3 ln 2 / 3 = 0.693147; sequence (ln 2 + ln 2) / 2 = 0.693147; seq-sum-norm, max_len 4:
+    (2 ln 2 / 4 + ln 2 / 4) / 2 = 0.259930."""
+    return aggregate(kl_estimate(logp, ref_logp, kind), mask, mode, max_len, empty_rows)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = None, mode: Aggregation = "token") -> torch.Tensor:
+               clip: float | None = None, mode: Aggregation = "token", empty_rows: str = "drop") -> torch.Tensor:
     """0.5 * (V - R)^2, or with value_clip c: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
     All # (B, T) -> scalar. e.g. V 1.0, V_old 0.5, R 0.0, c 0.2: max(1.0, 0.49) / 2 = 0.5; R 2.0:
-    max(1.0, (0.7 - 2)^2 = 1.69) / 2 = 0.845."""
+    max(1.0, (0.7 - 2)^2 = 1.69) / 2 = 0.845. seq-sum-norm is a policy-loss normaliser: the critic takes the token
+    mean then."""
     loss = (values - returns) ** 2
     if clip is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         loss = torch.max(loss, (clipped - returns) ** 2)
-    return 0.5 * aggregate(loss, mask, "token" if mode == "seq-sum-norm" else mode)
+    return 0.5 * aggregate(loss, mask, "token" if mode == "seq-sum-norm" else mode, empty_rows=empty_rows)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -156,7 +156,7 @@ def test_keys_values_and_comments_spot_checked():
     assert "--vllm_sync_backend nccl (TP > 1 engines: object_store here)" in ppo
     assert (q["prompt_max_len"], q["generate_max_len"]) == (1024, 1024) and "--max_len 2048 minus prompt_max_len" in ppo
     assert "prompt_max_len 1024 + generate_max_len 1024 split it (a longer prompt keeps its last 1024 tokens" in ppo
-    assert q["reward_clip_range"] == [-10, 10] and "(OpenRLHF v0.9.10's default '--reward_clip_range -10 10')" in ppo
+    assert "reward_clip_range" not in q and "reward_clip_range" not in ppo  # the stage's default is OpenRLHF's (-10, 10)
     assert "--ckpt_path /openrlhf/examples/test_scripts/ckpt/llama3-8b-rlhf: checkpoints go to" in ppo
     assert host_refused(ppo) == {("ppo", "vllm_enable_sleep"), ("ppo", "deepspeed_enable_sleep"),
                                  ("ppo", "vllm_tensor_parallel_size")} or __import__("torch").cuda.is_available()
@@ -450,3 +450,25 @@ def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
     m = ppo.run(cfg.model_copy(update={"prompts_uri": str(prompts)}))
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] >= 1
     assert store.read_manifest(str(tmp_path / "out")).config["packing_samples"] is True
+
+
+def test_the_defaults_page_lists_every_default_that_still_differs_from_openrlhfs():
+    """docs/openrlhf-defaults.md's table (docs/gen_defaults.py, from the importer's data and the stage configs):
+    KTO beta (OpenRLHF 0.01, here 0.1), PRM label_key, input_template, batch sizes and learning rates are rows;
+    the ppo reward clip is not (the stage's default is OpenRLHF's (-10, 10) since issue 37), nor a flag whose
+    default is the stage's (eps_clip 0.2)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_defaults", ROOT / "docs" / "gen_defaults.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    rows = {(r["module"], r["flag"], r["key"]): r for r in gen.differences()}
+    kto = rows[("train_kto", "beta", "kto.beta")]
+    assert (kto["theirs"], kto["ours"]) == ({"v0.9.5": 0.01}, 0.1)
+    assert rows[("train_prm", "label_key", "train_prm.label_key")]["theirs"] == {"v0.9.5": "label"}
+    assert rows[("train_sft", "input_template", "sft.input_template")]["ours"] is None
+    assert rows[("train_ppo_ray", "micro_train_batch_size", "ppo.micro_train_batch_size")]["theirs"] == {"v0.11.0": 1}
+    assert rows[("train_rm", "learning_rate", "train_rm.learning_rate")]["theirs"]["v0.9.10"] == 9e-6
+    assert not any(r["flag"] in ("reward_clip_range", "eps_clip", "init_kl_coef") for r in rows.values())
+    page = gen.on_page_markdown((ROOT / "docs" / "openrlhf-defaults.md").read_text(), None, None, None)
+    assert "| train_kto | `--beta` | `0.01` (v0.9.5) | `kto.beta` | `0.1` |" in page and "<!--" not in page

@@ -273,12 +273,32 @@ def test_colocation_flags_share_placement_group_bundles(flags, expected):
                                                          ("rollout1", 1 if flags.get("colocate_all_models") else 3)]
 
 
+def test_openrlhf_defaults_for_the_math_and_the_settings_that_restore_the_others():
+    """issue 37: reward clip (-10, 10), the KL loss's token mean, dr_grpo's token mean and empty rows dropped from
+    the sequence mean by default (OpenRLHF's); each has a setting for the other behaviour."""
+    base = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r.py", n_samples_per_prompt=2,
+                advantage_estimator="dr_grpo", use_kl_loss=True, rollout_batch_size=8, train_batch_size=16,
+                micro_train_batch_size=8)
+    cfg = ppo.Config(**base)
+    hp = loop.learner_settings(cfg)
+    assert cfg.reward_clip_range == (-10.0, 10.0)
+    assert (hp["loss_agg"], hp["kl_loss_agg"], hp["loss_agg_empty_rows"]) == ("token", "token", "drop")
+    old = ppo.Config(**base, reward_clip_range=None, loss_agg="seq-sum-norm", kl_loss_agg=None, loss_agg_empty_rows="zero")
+    hp = loop.learner_settings(old)
+    assert old.reward_clip_range is None
+    assert (hp["loss_agg"], hp["kl_loss_agg"], hp["loss_agg_empty_rows"]) == ("seq-sum-norm", "seq-sum-norm", "zero")
+    assert loop.learner_settings(ppo.Config(**base, loss_agg="sequence"))["kl_loss_agg"] == "token"
+    assert ppo.Config(**{**base, "advantage_estimator": "reinforce", "n_samples_per_prompt": 1,
+                         "train_batch_size": 8}).n_samples_per_prompt == 1
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("over, message", [
     (dict(advantage_estimator="group_norm", n_samples_per_prompt=1), "group_norm needs n_samples_per_prompt >= 2"),
     (dict(advantage_estimator="rloo", n_samples_per_prompt=1), "rloo needs n_samples_per_prompt >= 2"),
-    (dict(advantage_estimator="reinforce_baseline", n_samples_per_prompt=1), "reinforce_baseline needs"),
-    (dict(advantage_estimator="dr_grpo", n_samples_per_prompt=1), "dr_grpo needs"),
+    (dict(advantage_estimator="reinforce_baseline", n_samples_per_prompt=1),
+     r"reinforce_baseline needs .*every score advantage is 0 \(OpenRLHF's train_ppo_ray asserts .* too\)"),
+    (dict(advantage_estimator="dr_grpo", n_samples_per_prompt=1), "dr_grpo needs .*asserts .* since v0.11.*use reinforce"),
     (dict(advantage_estimator="gae"), "gae needs a critic"),
     (dict(reward_func_path=None), "exactly one reward source"),
     (dict(remote_rm_url="http://127.0.0.1:9/rm"), "exactly one reward source"),

@@ -116,6 +116,25 @@ def test_learner_moves_every_input_to_its_models_device(tiny, learner_env, kind)
     assert "model.embed_tokens" in seen and head in seen and len(seen) > 6  # the whole model ran under the guard
 
 
+def test_kl_loss_is_the_token_mean_as_openrlhf_unless_kl_loss_agg_says_otherwise(tiny, learner_env):
+    """issue 37: dr_grpo with use_kl_loss: the policy loss takes loss_agg (token by default, as OpenRLHF's dr_grpo),
+    the KL term the token mean of the k3 estimate whatever loss_agg is (OpenRLHF's masked_mean(kl, action_mask));
+    kl_loss_agg None makes it follow loss_agg (seq-sum-norm: sum / generate_max_len per row, the row mean)."""
+    from rlhf_core.rl import rl_math
+
+    batch = experience(tiny.policy_dir)  # 4 rows, responses of 6 and 5 tokens
+    over = dict(advantage_estimator="dr_grpo", use_kl_loss=True, kl_estimator="k3", generate_max_len=16)
+    learner = make_learner("policy", tiny.policy_dir, settings(**over, loss_agg="seq-sum-norm"))
+    lp, mask = learner.forward(batch), batch["mask"]
+    token = rl_math.kl_loss(lp, batch["ref_logp"], mask, "k3")
+    ssn = rl_math.kl_loss(lp, batch["ref_logp"], mask, "k3", "seq-sum-norm", max_len=16)
+    assert abs(float(token) - float(ssn)) > 1e-3  # the two reductions differ on this batch
+    assert float(learner.loss(batch, 0.1)[1]["kl_loss"]) == pytest.approx(float(token), rel=1e-5)
+    assert settings(**over)["loss_agg"] == "token" and settings(**over)["kl_loss_agg"] == "token"
+    learner.hp = settings(**over, loss_agg="seq-sum-norm", kl_loss_agg=None)
+    assert float(learner.loss(batch, 0.1)[1]["kl_loss"]) == pytest.approx(float(ssn), rel=1e-5)
+
+
 def test_reference_and_hf_rollout_move_their_inputs(tiny):
     hp = settings(temperature=0.7, bf16=False)
     ref = Reference(str(tiny.policy_dir), hp)

@@ -295,3 +295,70 @@ def test_policy_loss_with_is_weight():
     loss.backward()
     assert logp.grad[0, 1].item() == 0 and logp.grad[0, 0].item() == pytest.approx(-0.25)
     assert rm.policy_loss(t([0.0, 0.0]), t([0.0, 0.0]), t([1.0, -2.0]), t([1.0, 1.0]))[0].item() == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------------------------- issue 37: OpenRLHF's
+def test_sequence_mean_drops_rows_without_action_tokens():
+    """values [[1, 2], [3, 0], [5, 5]], mask [[1, 1], [1, 0], [0, 0]] (row 3: an episode of feedback tokens only):
+    sequence drop: row means 1.5, 3 (row 3 has none) -> (1.5 + 3) / 2 = 2.25 (OpenRLHF v0.11's aggregate_loss);
+    zero: (1.5 + 3 + 0) / 3 = 1.5; token: (1 + 2 + 3) / 3 = 2 either way; seq-sum-norm (max_len 4) counts every
+    row: (3/4 + 3/4 + 0) / 3 = 0.5. Every row empty: 0 (not NaN). Gradient of sequence drop w.r.t. values:
+    row 1 1/(2*2) = 0.25 per token, row 2 1/(1*2) = 0.5, padding and the empty row 0."""
+    v = t([1.0, 2.0], [3.0, 0.0], [5.0, 5.0]).requires_grad_()
+    m = t([1, 1], [1, 0], [0, 0])
+    drop = rm.aggregate(v, m, "sequence")
+    assert drop.item() == pytest.approx(2.25)
+    assert rm.aggregate(v, m, "sequence", empty_rows="zero").item() == pytest.approx(1.5)
+    assert rm.aggregate(v, m, "token").item() == pytest.approx(2.0)
+    assert rm.aggregate(v, m, "token", empty_rows="zero").item() == pytest.approx(2.0)
+    assert rm.aggregate(v, m, "seq-sum-norm", max_len=4).item() == pytest.approx(0.5)
+    drop.backward()
+    assert v.grad.flatten().tolist() == pytest.approx([0.25, 0.25, 0.5, 0.0, 0.0, 0.0])
+    assert rm.aggregate(v, torch.zeros_like(m), "sequence").item() == 0.0
+    with pytest.raises(ValueError, match="unknown empty_rows"):
+        rm.aggregate(v, m, "sequence", empty_rows="skip")
+    # the policy and value losses pass it on: advantages [[1, 1], [2, 0], [9, 9]] at ratio 1 -> per-token loss -A;
+    # sequence drop: (-1 + -2) / 2 = -1.5; zero: -3 / 3 = -1
+    adv, z = t([1.0, 1.0], [2.0, 0.0], [9.0, 9.0]), torch.zeros(3, 2, dtype=torch.float64)
+    assert rm.policy_loss(z, z, adv, m, mode="sequence")[0].item() == pytest.approx(-1.5)
+    assert rm.policy_loss(z, z, adv, m, mode="sequence", empty_rows="zero")[0].item() == pytest.approx(-1.0)
+    # 0.5 (V - R)^2 with V 0, R = adv: row means 1, 4 -> 0.5 * (1 + 4) / 2 = 1.25; zero: 0.5 * 5 / 3
+    assert rm.value_loss(z, z, adv, m, mode="sequence").item() == pytest.approx(1.25)
+    assert rm.value_loss(z, z, adv, m, mode="sequence", empty_rows="zero").item() == pytest.approx(5 / 6)
+
+
+def test_kl_loss_is_the_token_mean_whatever_the_policy_reduction():
+    """OpenRLHF's ppo_actor: kl_loss = masked_mean(kl, action_mask). d = logp - ref = [[ln 2, ln 2, ln 2, ln 2],
+    [ln 4, 0, 0, 0]] with mask [[1, 1, 1, 1], [1, 0, 0, 0]], k1: token (4 ln 2 + 2 ln 2) / 5 = 6 ln 2 / 5 = 0.831777;
+    sequence (ln 2 + 2 ln 2) / 2 = 1.039721; seq-sum-norm with max_len 8: (4 ln 2 / 8 + 2 ln 2 / 8) / 2 = 0.259930.
+    The default is the token mean."""
+    ln2 = math.log(2)
+    lp, ref = t([ln2] * 4, [2 * ln2, 0.0, 0.0, 0.0]), torch.zeros(2, 4, dtype=torch.float64)
+    m = t([1, 1, 1, 1], [1, 0, 0, 0])
+    assert rm.kl_loss(lp, ref, m).item() == pytest.approx(6 * ln2 / 5)
+    assert rm.kl_loss(lp, ref, m, "k1", "sequence").item() == pytest.approx(1.5 * ln2)
+    assert rm.kl_loss(lp, ref, m, "k1", "seq-sum-norm", max_len=8).item() == pytest.approx(6 * ln2 / 16)
+    # k2 = d^2 / 2: token (4 * ln2^2 / 2 + (2 ln2)^2 / 2) / 5 = (2 + 2) ln2^2 / 5 = 0.384362
+    assert rm.kl_loss(lp, ref, m, "k2").item() == pytest.approx(4 * ln2 ** 2 / 5)
+
+
+def test_one_sample_per_prompt_is_refused_by_the_grouped_estimators_and_runs_the_others():
+    """n = 1: a grouped baseline would be the sample itself (r - r = 0: no score signal), as OpenRLHF's own
+    train_ppo_ray asserts; reinforce and gae run. reinforce with n 1 on scores [2, 4], one token each, no KL: returns
+    [2, 4], whitened (mean 3, var 1) -> advantages [-1, 1]."""
+    for est in GROUPED:
+        with pytest.raises(ValueError, match=f"{est} needs groups of n_samples_per_prompt >= 2 .*OpenRLHF"):
+            rm.advantages_and_returns(est, t(2.0, 4.0), torch.ones(2, 1), 1, torch.zeros(2, 1), 0.0)
+    adv, ret = rm.advantages_and_returns("reinforce", t(2.0, 4.0), torch.ones(2, 1), 1, torch.zeros(2, 1), 0.0)
+    assert ret.flatten().tolist() == pytest.approx([2.0, 4.0]) and adv.flatten().tolist() == pytest.approx([-1.0, 1.0])
+
+
+def test_openrlhf_reward_clip_bounds_a_reward_model_score():
+    """The (-10, 10) default on scores of a reward model far from zero: reinforce, n 1, scores [30, -4, 2], one token
+    each, no KL: clipped [10, -4, 2] -> returns [10, -4, 2] (unclipped [30, -4, 2])."""
+    mask = torch.ones(3, 1)
+    _, ret = rm.advantages_and_returns("reinforce", t(30.0, -4.0, 2.0), mask, 1, torch.zeros(3, 1), 0.0,
+                                       reward_clip=(-10.0, 10.0))
+    assert ret.flatten().tolist() == pytest.approx([10.0, -4.0, 2.0])
+    _, ret = rm.advantages_and_returns("reinforce", t(30.0, -4.0, 2.0), mask, 1, torch.zeros(3, 1), 0.0)
+    assert ret.flatten().tolist() == pytest.approx([30.0, -4.0, 2.0])
