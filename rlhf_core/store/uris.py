@@ -26,7 +26,9 @@ def run_prefix(root: str, run_name: str, stage: str, iteration: int | None = Non
 SECRET_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
                "aws_session_token", "session_token", "access_key", "secret_key", "account_key", "sas_token",
                "connection_string", "credentials", "token_file"}
-SECRET_ENV = ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"]  # + names a credentials block set
+# + names a credentials block set; the hub token (rlhf_core/inputs/hub.py) too: redacted from every message, and
+# passed to a Ray Job's environment (runtime.ray_jobs.job_env) so the job fetches the hub models its config names
+SECRET_ENV = ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"]
 
 
 def check_no_secrets(options: dict | None, where: str = "storage_options") -> dict:

@@ -123,6 +123,13 @@ def test_unreachable_endpoint_fails_fast_without_leaking_credentials(monkeypatch
 def test_redact_hides_secrets(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
     assert store.redact("denied for s3cr3t-value and k3y-xyz", {"key": "k3y-xyz"}) == "denied for *** and ***"
+    # the hub token of either name (issue 37: huggingface_hub reads both)
+    monkeypatch.setenv("HF_TOKEN", "hf_tokenAAAA1111")
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_legacyBBBB2222")
+    assert store.redact("401 for hf_tokenAAAA1111 / hf_legacyBBBB2222") == "401 for *** / ***"
+    from rlhf_core.runtime.ray_jobs import job_env
+
+    assert job_env()["HF_TOKEN"] == "hf_tokenAAAA1111"  # a Ray Job fetches its hub models with it
 
 
 def test_objects_written_by_another_process_are_seen(s3_root):
