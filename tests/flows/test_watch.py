@@ -21,6 +21,7 @@ from rlhf_core import store
 from tests.conftest import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
+HTTP = httpx.Client(timeout=60)  # the server answers slowly on a loaded machine
 AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
@@ -63,21 +64,22 @@ def test_a_landed_prompt_file_starts_the_triggered_loop_which_reads_it(demo_run,
     env = {**prefect_server.env, **{k: os.environ[k] for k in AWS}, "RLHF_FLOWS_CACHE": str(tmp_path / "cache")}
     api, worker = prefect_server.api, None
 
-    # The shipped deployment and trigger, as a user would adapt it: their pool, models and a small loop. The
-    # trigger's templates (run_name, prompt_data, preference_data) and its event are kept as shipped.
+    # The shipped deployment and trigger, as a user would adapt it: their pool, models and a small loop in the
+    # deployment's parameters. The trigger is kept as shipped: its parameters are the three templates the event
+    # fills in (run_name, prompt_data, preference_data), merged over the deployment's by the flow.
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     dep = next(d for d in spec["deployments"] if d["name"] == "on-new-data")
     trigger = dep["triggers"][0]
     assert trigger["enabled"] is False and trigger["expect"] == [watch.EVENT]  # safe until resumed
     templated = {k: v for k, v in trigger["parameters"]["params"].items() if "{{" in str(v)}
-    assert set(templated) == {"run_name", "prompt_data", "preference_data"}, templated
+    assert set(templated) == {"run_name", "prompt_data", "preference_data"} == set(trigger["parameters"]["params"]), templated
     small = {"demo": False, "root": root, "iterations": 1, "pretrain_uri": demo_run.sft, "reward_uri": demo_run.reward,
              "generate": {"num_engines": 0, "best_of_n": 2, "rollout_batch_size": 8, "max_new_tokens": 8},
+             "score": {"num_engines": 0},
              "dpo": {"max_len": 48, "micro_train_batch_size": 8, "train_batch_size": 8, "max_epochs": 1},
              "reference": {"max_len": 48}}
     dep.update(name=name, parameters={"params": {**small, "run_name": "manual"}})
-    trigger.update(name=f"{name} trigger", match={"prefect.resource.id": watch.resource_id(prefix)},
-                   parameters={"params": {**small, **templated}})
+    trigger.update(name=f"{name} trigger", match={"prefect.resource.id": watch.resource_id(prefix)})
     prefect_file = tmp_path / "prefect.yaml"
     prefect_file.write_text(yaml.safe_dump({**{k: v for k, v in spec.items() if k != "definitions"}, "deployments": [dep]}, sort_keys=False))
     try:
@@ -103,24 +105,25 @@ def test_a_landed_prompt_file_starts_the_triggered_loop_which_reads_it(demo_run,
         assert first.returncode == 0 and f"{landed} (prompts)" in first.stdout, first.stdout + first.stderr
         assert second.returncode == 0 and second.stdout.strip() == f"no new files under {prefix}", second.stdout + second.stderr
 
-        dep_id = httpx.get(f"{api}/deployments/name/iterative-dpo/{name}").json()["id"]
+        dep_id = HTTP.get(f"{api}/deployments/name/iterative-dpo/{name}").json()["id"]
         runs = []
         for _ in range(300):  # the run appears within seconds, then the worker runs it (about a minute)
-            runs = httpx.post(f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [dep_id]}}}).json()
+            runs = HTTP.post(f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [dep_id]}}}).json()
             if runs and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for r in runs):
                 break
             time.sleep(1)
         assert len(runs) == 1, [(r["name"], r["state_type"]) for r in runs]  # one event, one run: the second pass sent none
         run = runs[0]
         assert run["state_type"] == "COMPLETED", (run["state_name"], (tmp_path / "worker.log").read_text()[-3000:])
-        auto = httpx.post(f"{api}/automations/filter", json={}).json()
+        auto = HTTP.post(f"{api}/automations/filter", json={}).json()
         assert run["created_by"]["type"] == "AUTOMATION" and run["created_by"]["id"] == next(
             a["id"] for a in auto if a["name"] == f"{name} trigger")
-        params = run["parameters"]["params"]
+        params = run["parameters"]["params"]  # what ran: the event's three over the deployment's (written back by the flow)
         assert params["prompt_data"] == landed and params["preference_data"] is None, params
         assert params["run_name"].startswith("data-2"), params["run_name"]
+        assert {k: v for k, v in params.items() if k not in templated} == small, params
 
-        events = httpx.post(f"{api}/events/filter", json={"filter": {"event": {"name": [watch.EVENT]}, "resource": {
+        events = HTTP.post(f"{api}/events/filter", json={"filter": {"event": {"name": [watch.EVENT]}, "resource": {
             "id": [watch.resource_id(prefix)]}}}).json()["events"]
         assert len(events) == 1 and events[0]["payload"]["files"] == [{"uri": landed, "kind": "prompts", "size": fs.size(landed)}]
 
