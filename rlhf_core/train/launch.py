@@ -93,9 +93,10 @@ class TrainFields(BaseModel):
     max_eval_samples: int | None = Field(None, ge=1, description="Evaluate at most this many eval rows.")
     eval_steps: int | None = Field(None, ge=-1, description="Evaluate every N optimizer steps and at the end; None or -1: "
                                    "at the end of each epoch (OpenRLHF --eval.steps -1).")
-    lr_scheduler: Literal["cosine_with_min_lr", "constant", "constant_with_warmup", "linear"] = Field(
+    lr_scheduler: Literal["cosine_with_min_lr", "cosine_warmup_with_min_lr", "constant", "constant_with_warmup", "linear"] = Field(
         "cosine_with_min_lr", description="transformers' get_scheduler schedule (OpenRLHF --lr_scheduler); "
-        "warm-up steps = ceil(lr_warmup_ratio x steps); min_lr_ratio applies to cosine_with_min_lr.")
+        "warm-up steps = ceil(lr_warmup_ratio x steps), rising from lr 0 at step 1 (from learning_rate / warm-up steps "
+        "under cosine_warmup_with_min_lr); min_lr_ratio applies to the two cosine ones.")
     disable_dropout: bool | None = Field(None, description="Set every dropout probability of the model to 0 (not LoRA's); "
                                          "None: on for dpo / rm / kto (TRL's default), off for the others.")
     # part C (issue 24): scale: ring attention, DeepSpeed AutoTP, MoE auxiliary loss, Liger kernels

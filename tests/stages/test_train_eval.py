@@ -48,7 +48,7 @@ def hf_lrs(name, lr, warm, total, min_ratio):
     from transformers import get_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    kw = {"min_lr_rate": min_ratio} if name == "cosine_with_min_lr" else {}
+    kw = {"min_lr_rate": min_ratio} if "min_lr" in name else {}  # as OpenRLHF's DeepSpeed strategy passes it
     sched = get_scheduler(name, opt, num_warmup_steps=warm, num_training_steps=total, scheduler_specific_kwargs=kw)
     out = []
     for _ in range(total):
@@ -58,12 +58,23 @@ def hf_lrs(name, lr, warm, total, min_ratio):
     return out
 
 
-@pytest.mark.parametrize("name", ["constant", "constant_with_warmup", "cosine_with_min_lr", "linear"])
+@pytest.mark.parametrize("name", schedule.NAMES)
 def test_lr_schedule_equals_transformers(name):
-    for total, ratio in ((10, 0.3), (7, 0.0), (5, 0.03)):
+    for total, ratio in ((10, 0.3), (7, 0.0), (5, 0.03), (8, 0.03), (64, 0.03)):
         warm = schedule.warmup_steps(ratio, total)
         ours = [2e-3 * schedule.lr_factor(name, s, warm, total, 0.1) for s in range(total)]
         assert ours == pytest.approx(hf_lrs(name, 2e-3, warm, total, 0.1), rel=1e-12, abs=1e-15), (total, ratio)
+
+
+def test_first_step_of_a_warm_up():
+    """OpenRLHF's default warm-up (ratio 0.03) over an 8-step run is 1 step: transformers' cosine_with_min_lr
+    (OpenRLHF's default) runs that step at lr 0, cosine_warmup_with_min_lr at the peak; both end at min_lr_ratio's
+    side of the cosine, the latter exactly on the last step."""
+    warm = schedule.warmup_steps(0.03, 8)
+    default = [schedule.lr_factor("cosine_with_min_lr", s, warm, 8, 0.1) for s in range(8)]
+    no_waste = [schedule.lr_factor("cosine_warmup_with_min_lr", s, warm, 8, 0.1) for s in range(8)]
+    assert warm == 1 and default[:2] == [0.0, 1.0] and no_waste[0] == 1.0
+    assert no_waste[-1] == pytest.approx(0.1) and no_waste[1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 7)))
 
 
 def test_dpo_evaluates_on_eval_data_every_eval_steps_with_dropout_off(tiny, setup, tmp_path, caplog):
@@ -210,7 +221,7 @@ def test_bad_eval_input_refused_before_work(tiny, setup, tmp_path):
         sft.Config(**sft_base, eval_dataset=pairs, eval_holdout=0.1)
     with pytest.raises(ValidationError, match="eval_steps must be >= 1"):
         sft.Config(**sft_base, eval_holdout=0.1, eval_steps=0)
-    with pytest.raises(ValidationError, match="lr_scheduler\n.*'cosine_with_min_lr', 'constant', 'constant_with_warmup' or 'linear'"):
+    with pytest.raises(ValidationError, match="lr_scheduler\n.*'cosine_with_min_lr', 'cosine_warmup_with_min_lr', 'constant', 'constant_with_warmup' or 'linear'"):
         sft.Config(**sft_base, lr_scheduler="cosine")
     # eval data of another schema: a raw file whose row lacks the output key; a committed artifact of pairs
     bad = tmp_path / "eval.jsonl"
