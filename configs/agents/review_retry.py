@@ -5,13 +5,15 @@ The policy writes a review ("Review of the movie: ..."). The environment scores 
 is the request again ("Review of the movie: "), so the policy gets another try with its rejected review in
 context. The episode ends when a review is accepted or after MAX_TRIES reviews; its reward is the last review's
 gold reward minus RETRY_COST per retry, so the policy learns to write a positive review, sooner rather than later.
+The steps before the last reward 0: an episode's reward is the sum of its steps' (OpenRLHF's MultiTurnAgentExecutor).
 
 extra_logs: first_reward (the first review's gold reward), tries, accepted.
-Written for OpenRLHF: only the import line differs (`from openrlhf.utils.agent import AgentInstanceBase`).
+Written for OpenRLHF: only the import line differs (`from openrlhf.utils.agent import ...`); AgentExecutor runs
+AgentInstance as OpenRLHF's MultiTurnAgentExecutor does.
 """
 import re
 
-from rlhf_core.rollout.agent import AgentInstanceBase
+from rlhf_core.rollout.agent import AgentInstanceBase, MultiTurnAgentExecutor
 from rlhf_core.demo.demo_task import gold_reward
 
 ACCEPT = 0.5
@@ -37,8 +39,13 @@ class AgentInstance(AgentInstanceBase):
             self.first = score
         accepted = score >= ACCEPT
         done = accepted or self.tries >= MAX_TRIES
-        reward = score - RETRY_COST * (self.tries - 1)
+        reward = score - RETRY_COST * (self.tries - 1) if done else 0.0
         return {"rewards": reward, "scores": reward,
                 "environment_feedback": "" if done else f" {self.request} ",
                 "done": done, "sampling_params": states.get("sampling_params"),
                 "extra_logs": {"first_reward": self.first, "tries": self.tries, "accepted": float(accepted)}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)

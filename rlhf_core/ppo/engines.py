@@ -64,7 +64,9 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int) -> list[list[dict]]:
+                 top_k: int, seed: int, min_new_tokens: int = 0, repetition_penalty: float = 1.0) -> list[list[dict]]:
+        """n samples of each prompt; min_new_tokens / repetition_penalty: an agent's sampling_params (vLLM's
+        min_tokens / repetition_penalty, transformers' processors of those names)."""
         torch.manual_seed(seed)
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)  # (P, W) left padded
@@ -75,7 +77,9 @@ class HFRollout:
         seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
                                    temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n,
                                    max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                                   eos_token_id=sorted(self.eos_ids), logits_processor=[rec], use_cache=True)
+                                   eos_token_id=sorted(self.eos_ids), logits_processor=[rec], use_cache=True,
+                                   **({"min_new_tokens": min_new_tokens} if min_new_tokens else {}),
+                                   **({"repetition_penalty": repetition_penalty} if repetition_penalty != 1.0 else {}))
         new, lp = to_host(seqs[:, width:]), to_host(rec.finish(seqs))  # (P*n, R) each
         out: list[list[dict]] = [[] for _ in prompt_ids]
         for r in range(new.shape[0]):
@@ -178,13 +182,14 @@ class VLLMRollout:
         self.weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int) -> list[list[dict]]:
+                 top_k: int, seed: int, min_new_tokens: int = 0, repetition_penalty: float = 1.0) -> list[list[dict]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         reqs = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(n)]
         sps = [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                              max_tokens=max_new_tokens, seed=seed * 7919 + k, logprobs=0) for k in range(len(reqs))]
+                              max_tokens=max_new_tokens, seed=seed * 7919 + k, logprobs=0, min_tokens=min_new_tokens,
+                              repetition_penalty=repetition_penalty) for k in range(len(reqs))]
         outs = self.llm.generate(reqs, sps, use_tqdm=False)
         res: list[list[dict]] = [[] for _ in prompt_ids]
         for k, o in enumerate(outs):

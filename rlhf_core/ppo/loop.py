@@ -103,7 +103,7 @@ def learner_settings(cfg) -> dict:
             "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop",
             "temperature", "deepspeed_enable_sleep", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload",
             "packing_samples", "use_dynamic_batch", "train_max_tokens_per_gpu", "adam_offload", "value_head_prefix",
-            "weight_sync_bucket_mb", "attn_implementation", "shared_prompt")
+            "weight_sync_bucket_mb", "attn_implementation", "shared_prompt", "lr_scheduler", "tokenizer_chat_template")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
             "ptx_coef": cfg.ptx_coef if cfg.pretrain_data else 0.0,
             "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,
@@ -118,16 +118,19 @@ def executor(cfg, roles: Roles, tok, agent_cls, step: int):
     from rlhf_core.rollout.agent import CustomExecutor, EngineClient, Executor, SamplingParams
 
     bos = models.adds_bos(tok)
-    if getattr(agent_cls, "__is_executor__", False):  # agent_executor_path: the file's executor runs each episode
-        return CustomExecutor(EngineClient(roles.rollouts, cfg.seed * 101 + step), tok,
-                              lambda ids: tok.decode(ids, skip_special_tokens=True),
+
+    def decode(ids, skip_special_tokens=True):  # an agent's sampling_params may keep the special tokens
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    if getattr(agent_cls, "__is_executor__", False):  # the file's AgentExecutor.execute runs each episode
+        return CustomExecutor(EngineClient(roles.rollouts, cfg.seed * 101 + step), tok, decode,
                               SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), cfg.generate_max_len, agent_cls)
     return Executor(EngineClient(roles.rollouts, cfg.seed * 101 + step),
                     encode=lambda text: tok(text, add_special_tokens=False).input_ids,
                     encode_prompt=lambda text: models.keep_last(models.prompt_ids(tok, text, bos), cfg.prompt_max_len,
                                                                 tok.bos_token_id if bos else None),
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                    sampling=SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), max_new_tokens=cfg.generate_max_len,
+                    decode=decode, sampling=SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k),
+                    max_new_tokens=cfg.generate_max_len,
                     max_turns=cfg.max_turns if agent_cls else 1, agent_cls=agent_cls)
 
 
@@ -240,7 +243,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     node_store.use_store(storage_options)  # every actor gets the store's options (node_store.actor_env)
     # the object-store weight path puts the state dict in Ray's object store each step: room for it
     started = _ray_up(cfg.ray_address, object_store_bytes=3 * weights if cfg.weight_sync_backend == "object_store" else 0)
-    roles = feed = None
+    roles = feed = tracker = None
     try:
         import ray
 
@@ -277,6 +280,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                      f"; the rollouts of steps {[s + 1 for s in sorted(restored)]} generated before the checkpoint "
                      f"and not yet trained on are restored, not regenerated" if restored else "")
         resumed_from = state.step
+        tracker = _tracker(cfg, work, writer, fingerprint, state.history)  # replays a resumed run's steps first
         kl_ctl = rl_math.KLController(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
         moments = rl_math.RunningMoments(**state.moments) if state.moments else rl_math.RunningMoments()
         use_ref = roles.reference is not None
@@ -364,10 +368,13 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             rec["step_s"] = time.perf_counter() - t_step
             state.history.append(rec)
             state.step = step + 1
-            log.info("ppo step %d/%d reward %.3f kl %.4f entropy %.3f logprob_gap %.2g length %.1f policy_loss %s "
-                     "weight sync %s %.2fs (%.2fs)", state.step, total, rec["reward"], seq_kl,
-                     metrics.get("entropy", float("nan")), rec["rollout_logprob_gap"], rec["response_length"],
-                     f"{metrics.get('policy_loss', float('nan')):.4f}", roles.weights.method, t_sync, rec["step_s"])
+            if state.step % cfg.log_steps == 0 or state.step == total:  # --logging_steps
+                if tracker is not None:
+                    tracker.log(rec)
+                log.info("ppo step %d/%d reward %.3f kl %.4f entropy %.3f logprob_gap %.2g length %.1f policy_loss %s "
+                         "weight sync %s %.2fs (%.2fs)", state.step, total, rec["reward"], seq_kl,
+                         metrics.get("entropy", float("nan")), rec["rollout_logprob_gap"], rec["response_length"],
+                         f"{metrics.get('policy_loss', float('nan')):.4f}", roles.weights.method, t_sync, rec["step_s"])
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < total:
                 state.kl_coef = kl_ctl.value
                 state.moments = {"mean": moments.mean, "m2": moments.m2, "count": moments.count}
@@ -376,7 +383,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 _checkpoint(roles, state, work, ckpt_uri, fingerprint, cfg.max_ckpt_num, storage_options,
                             feed.pending(state.step))
         _save_model(roles, writer, cfg.save_value_network)
-        return {"history": state.history, "steps_done": state.step, "planned_steps": total,
+        tracked, tracker = tracker.close() if tracker is not None else [], None
+        return {"history": state.history, "steps_done": state.step, "planned_steps": total, "tracked": tracked,
                 "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
                 "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
                                             for kind, group in (("policy", roles.policy), ("critic", roles.critic))
@@ -384,6 +392,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 "role_gpus": roles.gpu_ids(), "ray_address": ray.get_runtime_context().gcs_address, "weight_sync_method": roles.weights.method,
                 "weight_sync_bytes": roles.weights.bytes}
     finally:
+        if tracker is not None:  # a failed run's steps so far stay readable in `work`
+            tracker.close()
         if feed is not None:
             feed.halt()
         if roles is not None:
@@ -394,6 +404,25 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             import ray
 
             ray.shutdown()
+
+
+def _tracker(cfg, work: Path, writer, fingerprint: str, history: list):
+    """The driver's TensorBoard / W&B writer into work/tracking (the stage uploads it into the artifact), or None.
+    A resumed run first replays the steps its checkpoint restored, so the files hold every logged step once and the
+    W&B run (keyed by the run's fingerprint) continues."""
+    if not (cfg.use_tensorboard or cfg.use_wandb):
+        return None
+    from rlhf_core.runtime.tracking import Tracker
+
+    shutil.rmtree(work / "tracking", ignore_errors=True)
+    name = cfg.wandb_run_name or ("/".join(writer.uri.rstrip("/").split("/")[-3:]) if writer is not None else None)
+    tracker = Tracker(work / "tracking", tensorboard=cfg.use_tensorboard, wandb=cfg.use_wandb, prefix="ppo",
+                      project=cfg.wandb_project, run_name=name, run_id=fingerprint[:32],
+                      config=cfg.semantic() if hasattr(cfg, "semantic") else None)
+    for rec in history:
+        if rec["step"] % cfg.log_steps == 0:
+            tracker.log(rec)
+    return tracker
 
 
 def _checkpoint(roles: Roles, state: State, work: Path, ckpt_uri: str, fingerprint: str, keep: int,

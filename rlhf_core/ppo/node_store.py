@@ -197,5 +197,8 @@ def save_model(learner, out_uri: str, sub: str = "", upload: bool = False) -> li
     module.config.save_pretrained(str(local))
     if getattr(module, "generation_config", None) is not None and module.can_generate():
         module.generation_config.save_pretrained(str(local))
-    AutoTokenizer.from_pretrained(learner.model_dir).save_pretrained(str(local))
+    tok = AutoTokenizer.from_pretrained(learner.model_dir)
+    if learner.hp.get("tokenizer_chat_template"):  # the run's template goes with the policy, as the trainers'
+        tok.chat_template = learner.hp["tokenizer_chat_template"]
+    tok.save_pretrained(str(local))
     return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())

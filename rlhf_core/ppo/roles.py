@@ -20,7 +20,6 @@ column t belongs to token t + 1 (logits at t predict token t + 1).
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -31,7 +30,7 @@ from rlhf_core.ppo import node_store, weight_sync
 from rlhf_core.ppo.forward import (experience, grouped_order, micro_batches, model_kwargs, rows_of, token_outputs,
                                    trimmed)
 from rlhf_core.runtime.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
-from rlhf_core.train import adamw, no_lone_allreduce
+from rlhf_core.train import adamw, no_lone_allreduce, schedule
 
 
 class Learner:
@@ -90,15 +89,12 @@ class Learner:
                             adam_w_mode=True)
         else:
             opt = adamw(model.parameters(), lr, hp["adam_betas"], hp["l2"])
-        warm = max(1, math.ceil(hp["lr_warmup_ratio"] * total_steps))
-
-        def lr_lambda(s: int) -> float:  # linear warm-up, then cosine to min_lr_ratio (OpenRLHF cosine_with_min_lr)
-            if s < warm:
-                return (s + 1) / warm
-            prog = min(1.0, (s - warm) / max(1, total_steps - warm))
-            return hp["min_lr_ratio"] + (1 - hp["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * prog))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        # OpenRLHF's get_scheduler(lr_scheduler, num_warmup_steps=ceil(steps x ratio), min_lr = lr x min_lr_ratio):
+        # the trainers' schedule (transformers' formulas)
+        warm = schedule.warmup_steps(hp["lr_warmup_ratio"], total_steps)
+        name = hp.get("lr_scheduler", "cosine_with_min_lr")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule.lr_factor(name, s, warm, total_steps,
+                                                                                    hp["min_lr_ratio"]))
         self.engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)[0])
         self.module, self.device = self.engine.module, self.engine.device
         self.forwarded_tokens = 0  # tokens through the model (padding included), for the padding count
@@ -138,7 +134,7 @@ class Learner:
         return len(rows)
 
     @torch.no_grad()
-    def generate(self, *args) -> list[list[dict]]:
+    def generate(self, *args, **kwargs) -> list[list[dict]]:
         """vllm_num_engines 0: policy rank 0 generates the rollouts with the model it trains (OpenRLHF without
         vLLM generates with the actor's own HF model), the engines' call (engines.HFRollout.generate)."""
         from types import SimpleNamespace
@@ -152,7 +148,7 @@ class Learner:
         me = SimpleNamespace(model=self.module, device=self.device, pad_id=models.pad_id(tok, self.model_dir),
                              eos_ids=set(models.eos_ids(tok, self.model_dir)))
         self.module.eval()
-        return HFRollout.generate(me, *args)
+        return HFRollout.generate(me, *args, **kwargs)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

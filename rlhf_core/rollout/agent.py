@@ -12,15 +12,27 @@ OpenRLHF's contract (openrlhf/utils/agent.py, its agent guide): a Python file (`
 One instance per episode. A turn: the engine continues the episode's tokens (prompt, every action and every
 feedback so far); the action's text goes to `step`; the feedback text is tokenized and appended. Only the
 model's tokens carry loss (`action_mask` 1), feedback tokens are context (0). An episode ends at `done`, when
-`max_new_tokens` tokens (actions + feedback) have been appended, or after `max_turns` turns. The episode's
-reward and score are its last step's (OpenRLHF's executor sums `rewards` over the turns; its examples give
-0 before the terminal turn, where both agree); `extra_logs` of the last step become metrics.
-Files written for OpenRLHF run after changing `from openrlhf.utils.agent import ...` to
-`from rlhf_core.rollout.agent import ...`; an `AgentExecutor` class an agent_func_path file may define is not used
-(the executor here is the project's own). A file named by ppo's `agent_executor_path` instead defines
-`AgentExecutor` (OpenRLHF's AgentExecutorBase: `async execute(prompt, label, sampling_params, max_length,
-hf_tokenizer, llm_engine)`): CustomExecutor runs it for every episode, with `llm_engine` an EngineHandle over
-the rollout engines (vLLM's generate shape, token in, token out), and its reward is the episode's.
+`max_new_tokens` tokens (actions and feedback) have been appended, or after `max_turns` turns. As OpenRLHF's
+MultiTurnAgentExecutor: the episode's reward is the sum of its steps' `rewards`, its score the last step's
+`scores` (that sum without one), and the last step's `extra_logs` become metrics.
+
+The file's `AgentExecutor`, as OpenRLHF uses it (its vllm_engine._load_agent_executor: the class named
+AgentExecutor runs every episode): `class AgentExecutor(MultiTurnAgentExecutor)` whose `__init__` passes an
+AgentInstance class to `super().__init__` runs that class with the executor here; one that defines its own
+`async execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` (OpenRLHF's
+AgentExecutorBase) runs each episode itself (CustomExecutor: `llm_engine` is an EngineHandle over the rollout
+engines, vLLM's generate shape, token in, token out; one executor instance per run, as OpenRLHF makes one per
+engine) and its `reward` is the episode's. A file without AgentExecutor runs its AgentInstance; an older
+OpenRLHF AgentExecutor whose `__init__` takes arguments (v0.8's) runs the file's AgentInstance. ppo's
+`agent_executor_path` names an executor file directly. Files written for OpenRLHF run after changing
+`from openrlhf.utils.agent import ...` to `from rlhf_core.rollout.agent import ...`.
+
+Sampling parameters: the agent gets a SamplingParams of every setting the rollout engines honour (temperature,
+top_p, top_k, max_tokens, min_tokens, repetition_penalty, stop, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, logprobs: vLLM's names) and may return changed ones for its next turn (the object, any
+object with these attributes such as a vllm.SamplingParams, or a dict; a dict key outside them is refused by
+name). `stop` / `stop_token_ids` end the action where the engine's output first completes one (the tokens up to
+and including it are the action, as sampled); `skip_special_tokens` says how `action_text` is decoded.
 
 Without an agent file (the single-turn default) an episode is one generation, done; the stage's reward
 source (reward_func, reward model, remote server) then scores every episode in one batch. Same executor,
@@ -75,30 +87,76 @@ class AgentExecutorBase(ABC):
         raise NotImplementedError
 
 
-MultiTurnAgentExecutor = SingleTurnAgentExecutor = AgentExecutorBase  # OpenRLHF's executor names, same role
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """OpenRLHF's multi-turn executor: `AgentExecutor(MultiTurnAgentExecutor)` with `super().__init__(AgentInstance)`
+    runs that AgentInstance class through the executor here (Executor: its turns batched over the engines)."""
+
+    def __init__(self, agent_instance_cls=None, *args, **kwargs):
+        self.agent_instance_cls = agent_instance_cls
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        raise NotImplementedError("MultiTurnAgentExecutor's episodes run through rlhf_core.rollout.agent.Executor: an "
+                                  "AgentExecutor that defines execute runs it without calling this one")
+
+
+SingleTurnAgentExecutor = AgentExecutorBase  # OpenRLHF's name, for imports
 
 
 @dataclass
 class SamplingParams:
-    """The per-turn sampling settings an agent sees and may return (vLLM's attribute names)."""
+    """The sampling settings an agent sees each turn and may return changed (vLLM's attribute names)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     max_tokens: int | None = None  # None: the episode's remaining budget
+    min_tokens: int = 0  # the engine samples no stop / EOS token before this many
+    repetition_penalty: float = 1.0
+    stop: list[str] | None = None  # the action ends where its text first contains one
+    stop_token_ids: list[int] | None = None  # the action ends after the first of these tokens
+    include_stop_str_in_output: bool = False  # action_text keeps the stop string
+    skip_special_tokens: bool = True  # how action_text is decoded
     logprobs: int | None = 0
 
     @classmethod
-    def coerce(cls, sp) -> "SamplingParams":
-        """From a SamplingParams, a dict, or any object with these attributes (e.g. vllm.SamplingParams)."""
+    def coerce(cls, sp, where: str = "sampling_params") -> "SamplingParams":
+        """From a SamplingParams, a dict, or any object with these attributes (e.g. vllm.SamplingParams). A dict key
+        that is none of them is refused (an AgentError naming it): no setting is dropped unseen."""
         if isinstance(sp, cls):
             return sp
         names = [f.name for f in fields(cls)]
-        got = {k: sp[k] for k in names if k in sp} if isinstance(sp, dict) else \
-            {k: getattr(sp, k) for k in names if hasattr(sp, k)}
-        return cls(**got)
+        if isinstance(sp, dict):
+            unknown = sorted(set(sp) - set(names))
+            if unknown:
+                raise AgentError(f"{where}: {unknown} are not sampling settings the rollout engines honour here "
+                                 f"({', '.join(names)})")
+            got = {k: sp[k] for k in names if k in sp}
+        else:
+            got = {k: getattr(sp, k) for k in names if hasattr(sp, k)}
+        if isinstance(got.get("stop"), str):
+            got["stop"] = [got["stop"]]
+        nullable = ("max_tokens", "logprobs", "stop", "stop_token_ids")
+        return cls(**{k: v for k, v in got.items() if v is not None or k in nullable})
 
     def key(self, max_new: int) -> tuple:
-        return (float(self.temperature), float(self.top_p), max(0, int(self.top_k)), int(max_new))
+        """What an engine call depends on (requests with equal keys are batched together)."""
+        return (float(self.temperature), float(self.top_p), max(0, int(self.top_k)), int(max_new),
+                int(self.min_tokens or 0), float(self.repetition_penalty))
+
+    def cut(self, ids: list[int], decode) -> int:
+        """How many of `ids` are the action: up to and including the first stop token id, or the first token whose
+        text (`decode(ids)`) completes a stop string; all of them without a stop."""
+        end = next((k + 1 for k, t in enumerate(ids) if t in (self.stop_token_ids or ())), len(ids))
+        for k in range(1, end + 1) if self.stop else ():
+            if any(s and s in decode(ids[:k]) for s in self.stop):
+                return k
+        return end
+
+    def text(self, ids: list[int], decode) -> str:
+        """action_text as vLLM gives it: special tokens skipped or kept (`decode(ids[, skip_special_tokens=False])`),
+        a stop string cut off unless kept."""
+        text = decode(ids) if self.skip_special_tokens else decode(ids, skip_special_tokens=False)
+        hits = [text.find(s) for s in self.stop or () if s and s in text]
+        return text[:min(hits)] if hits and not self.include_stop_str_in_output else text
 
 
 REQUIRED = ("rewards", "done", "environment_feedback")
@@ -117,26 +175,57 @@ def _import(path: str, key: str):
     return mod
 
 
-def load_executor(path: str) -> type:
-    """The `AgentExecutor` class of an agent_executor_path file (OpenRLHF's AgentExecutorBase shape: an
-    `async def execute(...)`); AgentError naming the file when it has none."""
-    cls = getattr(_import(path, "agent_executor_path"), "AgentExecutor", None)
-    if not inspect.isclass(cls) or not inspect.iscoroutinefunction(getattr(cls, "execute", None)):
-        raise AgentError(f"agent_executor_path {path} defines no class AgentExecutor with `async def execute(self, "
-                         f"prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None)` "
-                         f"(OpenRLHF's AgentExecutorBase)")
+def _defines_execute(cls) -> bool:
+    """Whether an AgentExecutor class runs its episodes itself (its own execute, not one of the bases here)."""
+    return callable(getattr(cls, "execute", None)) and getattr(cls, "execute") not in (
+        AgentExecutorBase.execute, MultiTurnAgentExecutor.execute)
+
+
+def _as_executor(cls, path: str, key: str) -> type:
+    if not inspect.iscoroutinefunction(getattr(cls, "execute", None)):
+        raise AgentError(f"{key} {path}: AgentExecutor.execute must be `async def execute(self, prompt, label, "
+                         f"sampling_params, max_length, hf_tokenizer, llm_engine, images=None)` (OpenRLHF's "
+                         f"AgentExecutorBase)")
     cls.__agent_path__, cls.__is_executor__ = str(path), True
     return cls
 
 
+def load_executor(path: str) -> type:
+    """The `AgentExecutor` class of an agent_executor_path file (OpenRLHF's AgentExecutorBase shape: an
+    `async def execute(...)`); AgentError naming the file when it has none."""
+    cls = getattr(_import(path, "agent_executor_path"), "AgentExecutor", None)
+    if not inspect.isclass(cls) or not _defines_execute(cls):
+        raise AgentError(f"agent_executor_path {path} defines no class AgentExecutor with `async def execute(self, "
+                         f"prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None)` "
+                         f"(OpenRLHF's AgentExecutorBase)")
+    return _as_executor(cls, path, "agent_executor_path")
+
+
 def load_agent(path: str) -> type:
-    """The `AgentInstance` class of an agent file; AgentError naming the file when it has none."""
-    cls = getattr(_import(path, "agent_func_path"), "AgentInstance", None)
+    """What runs an agent_func_path file's episodes, picked as OpenRLHF picks it (the file's AgentExecutor): an
+    executor class (`__is_executor__`) when AgentExecutor defines its own execute; else the AgentInstance class that
+    AgentExecutor() hands MultiTurnAgentExecutor (`agent_instance_cls`), or the file's AgentInstance when there is
+    no AgentExecutor or it takes constructor arguments (OpenRLHF v0.8's). AgentError naming the file otherwise."""
+    mod = _import(path, "agent_func_path")
+    ex = getattr(mod, "AgentExecutor", None)
+    if inspect.isclass(ex) and _defines_execute(ex):
+        return _as_executor(ex, path, "agent_func_path")
+    cls = None
+    if inspect.isclass(ex) and not inspect.isabstract(ex):
+        try:
+            cls = getattr(ex(), "agent_instance_cls", None)
+        except TypeError:  # v0.8's AgentExecutor(max_steps, max_length, llm_engine, hf_tokenizer, result_queue)
+            cls = None
+        except Exception as e:  # the user's constructor
+            raise AgentError(f"agent_func_path {path}: AgentExecutor() raised {type(e).__name__}: {e}") from e
+    where = "AgentExecutor's agent_instance_cls" if cls is not None else "AgentInstance"
+    cls = cls or getattr(mod, "AgentInstance", None)
     if not inspect.isclass(cls):
         raise AgentError(f"agent_func_path {path} defines no class AgentInstance (OpenRLHF's contract: "
-                         f"class AgentInstance(AgentInstanceBase) with async reset(states) and async step(states))")
+                         f"class AgentInstance(AgentInstanceBase) with async reset(states) and async step(states), "
+                         f"run by `class AgentExecutor(MultiTurnAgentExecutor)`)")
     if not inspect.iscoroutinefunction(getattr(cls, "step", None)):
-        raise AgentError(f"agent_func_path {path}: AgentInstance.step must be `async def step(self, states)`")
+        raise AgentError(f"agent_func_path {path}: {where}.step must be `async def step(self, states)`")
     cls.__agent_path__ = str(path)
     return cls
 
@@ -235,10 +324,11 @@ class EngineClient:
 
     @staticmethod
     async def _call(eng, ids: list[list[int]], key: tuple, seed: int):
-        temperature, top_p, top_k, max_new = key
+        temperature, top_p, top_k, max_new, min_new, penalty = key
+        extra = {k: v for k, v, off in (("min_new_tokens", min_new, 0), ("repetition_penalty", penalty, 1.0)) if v != off}
         if hasattr(eng.generate, "remote"):  # a Ray actor: its ObjectRef is awaitable
-            return await eng.generate.remote(ids, 1, max_new, temperature, top_p, top_k, seed)
-        return await asyncio.to_thread(eng.generate, ids, 1, max_new, temperature, top_p, top_k, seed)
+            return await eng.generate.remote(ids, 1, max_new, temperature, top_p, top_k, seed, **extra)
+        return await asyncio.to_thread(eng.generate, ids, 1, max_new, temperature, top_p, top_k, seed, **extra)
 
 
 @dataclass
@@ -278,6 +368,7 @@ class Executor:
         if obs_text != prompt:  # the environment rewrote the first observation
             ep.prompt_ids = (self.encode_prompt or self.encode)(obs_text)
         last: dict = {}
+        total = 0.0  # OpenRLHF's total_reward: the sum of the steps' rewards
         while True:
             budget = self.max_new_tokens - len(ep.ids)
             max_new = min(budget, sp.max_tokens or budget)
@@ -286,10 +377,12 @@ class Executor:
                 break
             out = await self.client.generate(ep.prompt_ids + ep.ids, sp.key(max_new))
             ep.turns += 1
-            action_text = self.decode(out["ids"])
-            ep.ids += out["ids"]
-            ep.logprobs += out["logprobs"]
-            ep.action_mask += [1] * len(out["ids"])
+            n = sp.cut(out["ids"], self.decode)  # a stop / stop token ends the action there
+            action = out["ids"][:n]
+            action_text = sp.text(action, self.decode)
+            ep.ids += action
+            ep.logprobs += out["logprobs"][:n]
+            ep.action_mask += [1] * len(action)
             turn = f"{name}, turn {ep.turns}"
             try:
                 last = await agent.step({"observation_text": obs_text, "action_text": action_text, "label": label,
@@ -302,13 +395,14 @@ class Executor:
                 if k not in last:
                     raise AgentError(f"{turn}: step's result has no {k!r} key (it needs {list(REQUIRED)}; "
                                      f"got {sorted(last)})")
-            ep.reward = _number(last["rewards"], f"{turn}: 'rewards'")
-            ep.score = _number(last["scores"], f"{turn}: 'scores'") if last.get("scores") is not None else ep.reward
+            total += _number(last["rewards"], f"{turn}: 'rewards'")
+            ep.reward = total
+            ep.score = _number(last["scores"], f"{turn}: 'scores'") if last.get("scores") is not None else total
             ep.extra_logs = _scalar_logs(last.get("extra_logs"))
             feedback = last["environment_feedback"] or ""
             obs_text = obs_text + action_text + feedback
             if last.get("sampling_params") is not None:
-                sp = SamplingParams.coerce(last["sampling_params"])
+                sp = SamplingParams.coerce(last["sampling_params"], f"{turn}: 'sampling_params'")
             if bool(last["done"]):
                 ep.finish_reason = "done"
                 break
@@ -345,10 +439,12 @@ class EngineHandle:
         if max_new <= 0:
             raise AgentError(f"generate asked for {sp.max_tokens} new tokens")
         out = await self.client.generate(list(prompt_token_ids), sp.key(max_new))
-        ids = list(out["ids"])
+        n = sp.cut(list(out["ids"]), self.decode)
+        ids = list(out["ids"])[:n]
         lps = [{t: NS(logprob=lp)} for t, lp in zip(ids, out["logprobs"])]
+        reason = "stop" if n < len(out["ids"]) else out["finish_reason"]
         return NS(prompt_token_ids=list(prompt_token_ids), outputs=[
-            NS(token_ids=ids, text=self.decode(ids), logprobs=lps, finish_reason=out["finish_reason"])])
+            NS(token_ids=ids, text=sp.text(ids, self.decode), logprobs=lps, finish_reason=reason)])
 
 
 @dataclass
@@ -368,7 +464,7 @@ class CustomExecutor:
         sp = copy.copy(self.sampling)
         sp.max_tokens = self.max_new_tokens
         try:
-            res = await self.executor_cls().execute(prompt, label, sp, len(prompt_ids) + self.max_new_tokens,
+            res = await _executor(self.executor_cls).execute(prompt, label, sp, len(prompt_ids) + self.max_new_tokens,
                                                     self.tokenizer, EngineHandle(self.client, self.decode,
                                                                                  self.max_new_tokens))
         except AgentError:
@@ -401,6 +497,17 @@ class CustomExecutor:
     async def run(self, items: list[tuple[int, str, list[int], object]], what=None) -> list[Episode]:
         tasks = [self.episode(i, p, ids, lab, what(k) if what else "") for k, (i, p, ids, lab) in enumerate(items)]
         return list(await asyncio.gather(*tasks))
+
+
+_EXECUTORS: dict[type, object] = {}
+
+
+def _executor(cls):
+    """One instance of an AgentExecutor class for the run (OpenRLHF makes one per rollout engine, then calls its
+    execute for every prompt)."""
+    if cls not in _EXECUTORS:
+        _EXECUTORS[cls] = cls()
+    return _EXECUTORS[cls]
 
 
 def run_sync(coro):

@@ -705,16 +705,24 @@ class AgentExecutor(AgentExecutorBase):
 
 @pytest.mark.slow
 def test_custom_agent_executor_runs_every_episode_and_its_reward_reaches_the_log(warm, tmp_path):
-    """agent_executor_path: a file's AgentExecutor (OpenRLHF's AgentExecutorBase.execute shape, token in, token
-    out) runs each episode over the rollout engine: two turns, a fixed reward 0.25."""
+    """agent_func_path whose AgentExecutor defines execute (OpenRLHF's AgentExecutorBase shape, token in, token out):
+    it runs each episode over the rollout engine, as OpenRLHF runs a file's AgentExecutor: two turns, a fixed reward
+    0.25. use_tensorboard / use_wandb (issue 37): the step's figures, the executor's extra_logs among them, in the
+    artifact's tensorboard/ (and an offline W&B run in wandb/)."""
+    from tests.conftest import tb_scalars
+
     path = tmp_path / "executor.py"
     path.write_text(EXECUTOR)
     out = tmp_path / "exec"
     m = ppo.run(ppo.Config(**{**BASE, "reward_func_path": None, "train_batch_size": 8, "generate_max_len": 16},
                            policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(out),
-                           agent_executor_path=str(path), advantage_estimator="reinforce", max_samples=8,
-                           init_kl_coef=0.0, save_steps=0))
+                           agent_func_path=str(path), advantage_estimator="reinforce", max_samples=8,
+                           init_kl_coef=0.0, save_steps=0, use_tensorboard=True, use_wandb=True))
     log = json.loads((out / "training_log.json").read_text())
-    assert m.metrics["steps_done"] == 1 and [i["name"] for i in m.inputs][-1] == "agent_executor"
+    assert m.metrics["steps_done"] == 1 and [i["name"] for i in m.inputs][-1] == "agent_func"
     assert log[0]["reward"] == 0.25 and log[0]["agent_turns"] == 2 and log[0]["agent_turns_seen"] == 2
     assert log[0]["rollout_logprob_gap"] < 1e-3  # the executor's log-probs are the policy's on the action tokens
+    tb = tb_scalars(out / "tensorboard")
+    assert tb["ppo/reward"] == [(1, 0.25)] and tb["ppo/agent_turns_seen"] == [(1, 2.0)] and "ppo/policy_loss" in tb
+    assert list((out / "wandb").rglob("*.wandb")), "no offline W&B run file"
+    assert any(f["path"].startswith("tensorboard/") for f in m.files) and "tracked" not in m.metrics

@@ -62,7 +62,7 @@ def device_guard(model: torch.nn.Module, stop_after_first: bool = False) -> list
 def settings(**over) -> dict:
     base = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r.py", rollout_batch_size=2,
                 n_samples_per_prompt=2, advantage_estimator="group_norm", train_batch_size=4,
-                micro_train_batch_size=2, zero_stage=0)
+                micro_train_batch_size=2, zero_stage=0, lr_warmup_ratio=0.0)  # a warm-up's first step runs at lr 0
     cfg = ppo.Config(**{**base, **over})
     return loop.learner_settings(cfg)
 
@@ -133,6 +133,33 @@ def test_kl_loss_is_the_token_mean_as_openrlhf_unless_kl_loss_agg_says_otherwise
     assert settings(**over)["loss_agg"] == "token" and settings(**over)["kl_loss_agg"] == "token"
     learner.hp = settings(**over, loss_agg="seq-sum-norm", kl_loss_agg=None)
     assert float(learner.loss(batch, 0.1)[1]["kl_loss"]) == pytest.approx(float(ssn), rel=1e-5)
+
+
+@pytest.mark.parametrize("name, lrs", [("linear", [0.5, 1.0, 0.5]), ("constant", [1.0, 1.0, 1.0]),
+                                       ("cosine_with_min_lr", [0.5, 1.0, 0.55]),
+                                       ("cosine_warmup_with_min_lr", [1.0, 0.55, 0.1])])
+def test_lr_scheduler_is_transformers_schedule_of_that_name(tiny, learner_env, tmp_path, name, lrs):
+    """issue 37: ppo's lr_scheduler is OpenRLHF's --lr_scheduler (transformers' get_scheduler) over the run's optimizer
+    steps: 4 steps, lr_warmup_ratio 0.5 -> 2 warm-up steps from lr 0. Factors of steps 1..3 (after each update):
+    linear 0.5, 1, then (1 - (3 - 2) / 2) = 0.5; constant 1 (no warm-up); cosine_with_min_lr 0.5, 1, then
+    0.1 + 0.9 x (1 + cos(pi / 2)) / 2 = 0.55; cosine_warmup_with_min_lr warms up from 1/2 (steps 0..3: 0.5, 1, 0.55,
+    0.1). The first update runs at lr 0 under a warm-up (not the last one's): the weights stay.
+    tokenizer_chat_template is saved with the model (node_store.save_model), as the trainers'."""
+    hp = settings(lr_scheduler=name, lr_warmup_ratio=0.5, actor_learning_rate=1e-3,
+                  tokenizer_chat_template="{{ 'T:' }}{{ messages[0]['content'] }}")
+    learner = make_learner("policy", tiny.policy_dir, hp)
+    before = learner._full_state_dict()
+    got = [learner.train(experience(tiny.policy_dir), 0.0)["policy_lr"] / 1e-3 for _ in range(3)]
+    assert got == pytest.approx(lrs)
+    if name in ("linear", "cosine_with_min_lr"):  # step 1 at lr 0 (AdamW with weight decay 0 moves nothing)
+        learner2 = make_learner("policy", tiny.policy_dir, hp)
+        learner2.train(experience(tiny.policy_dir), 0.0)
+        assert all(torch.equal(before[k], v) for k, v in learner2._full_state_dict().items())
+    learner.save_model(str(tmp_path / "out"), "")
+    learner.save_model(str(tmp_path / "out"), "", upload=True)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template == hp["tokenizer_chat_template"]
 
 
 def test_reference_and_hf_rollout_move_their_inputs(tiny):

@@ -21,7 +21,7 @@ def config(**over) -> ppo.Config:
     base = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r.py", rollout_batch_size=2,
                 n_samples_per_prompt=2, advantage_estimator="group_norm", train_batch_size=4,
                 micro_train_batch_size=2, actor_learning_rate=1e-2, init_kl_coef=0.0, vllm_num_engines=2,
-                weight_sync_bucket_mb=1)
+                weight_sync_bucket_mb=1, lr_warmup_ratio=0.0)  # a warm-up's first step runs at lr 0 (issue 37)
     return ppo.Config(**{**base, **over})
 
 

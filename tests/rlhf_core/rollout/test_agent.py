@@ -1,6 +1,8 @@
 """The agent executor (rlhf_core.rollout.agent) on an in-process HF rollout engine with the tiny policy: multi-turn
-token accounting (feedback appended, action mask), per-step sampling_params, the three ends of an episode,
-concurrency (one batched engine call per turn), the single-turn default, and agent files refused by name."""
+token accounting (feedback appended, action mask), per-step sampling_params (every setting, stops), the three ends
+of an episode, an episode's reward as OpenRLHF's MultiTurnAgentExecutor sums it, a file's AgentExecutor picked as
+OpenRLHF picks it, concurrency (one batched engine call per turn), the single-turn default, and agent files
+refused by name."""
 import asyncio
 import textwrap
 from pathlib import Path
@@ -33,7 +35,7 @@ class AgentInstance(AgentInstanceBase):
         return {"rewards": float(self.turn), "scores": float(self.turn) / 10, "environment_feedback": " again .",
                 "done": done, "sampling_params": sp, "extra_logs": {"action_len": len(states["action_text"])}}
 
-class AgentExecutor(AgentExecutorBase):  # OpenRLHF files may define one: imports, unused
+class AgentExecutor(AgentExecutorBase):  # no execute of its own, no AgentInstance given: the file's AgentInstance
     pass
 '''
 
@@ -88,7 +90,8 @@ def test_multi_turn_episodes_append_feedback_and_mask_it(tiny, engine, tok, tmp_
     fb = tok(" again .", add_special_tokens=False).input_ids
     seen = cls.step.__globals__["SEEN"]
     for ep, (i, p, pids, label) in zip(eps, items(tok)):
-        assert ep.turns == 2 and ep.finish_reason == "done" and ep.reward == 2.0 and ep.score == pytest.approx(0.2)
+        # the reward: the steps' rewards summed (1 + 2), as OpenRLHF's executor; the score the last step's
+        assert ep.turns == 2 and ep.finish_reason == "done" and ep.reward == 3.0 and ep.score == pytest.approx(0.2)
         assert ep.prompt_ids == pids and len(ep.ids) == len(ep.action_mask) == len(ep.logprobs)
         # action 1 (mask 1), feedback (mask 0, log-prob 0), action 2 (mask 1, at most 3 tokens): nothing after done
         zeros = [k for k, m in enumerate(ep.action_mask) if m == 0]
@@ -107,7 +110,7 @@ def test_multi_turn_episodes_append_feedback_and_mask_it(tiny, engine, tok, tmp_
 def test_episode_ends_at_max_turns_and_at_the_token_budget(engine, tok, tmp_path):
     cls = agent.load_agent(agent_file(tmp_path, COUNTING, turns=100))
     eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=200, max_turns=3, first_max_tokens=4), items(tok, 2))
-    assert all(e.turns == 3 and e.finish_reason == "max_turns" and e.reward == 3.0 for e in eps)
+    assert all(e.turns == 3 and e.finish_reason == "max_turns" and e.reward == 1.0 + 2.0 + 3.0 for e in eps)
     eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=12, max_turns=50), items(tok, 2))
     assert all(e.finish_reason == "length" and len(e.ids) == 12 for e in eps)
 
@@ -254,3 +257,136 @@ def test_openrlhf_example_file_runs_after_changing_its_import(engine, tok, tmp_p
     for e in eps:
         assert e.turns == 2 and e.finish_reason == "done" and e.reward == 1.0 and e.extra_logs == {"dummy_scores": 1.0}
         assert 0 in e.action_mask  # the "[INCORRECT] ... Assistant:" feedback is in the tokens, masked
+
+
+# ---------------------------------------------------------------------------------------------- issue 37
+PICKED = """
+from rlhf_core.rollout.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+class AgentInstance(AgentInstanceBase):  # not the one AgentExecutor runs
+    async def step(self, states, **kwargs):
+        raise AssertionError("the executor's instance class runs, not this one")
+
+class Scored(AgentInstanceBase):
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        return {"rewards": 0.5 * self.turn, "environment_feedback": " ok", "done": self.turn == 2}
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(Scored)
+"""
+
+
+def test_the_files_agent_executor_picks_the_instance_class_as_openrlhf(engine, tok, tmp_path):
+    """OpenRLHF runs the file's AgentExecutor (vllm_engine._load_agent_executor): a MultiTurnAgentExecutor of the
+    class it is given, here Scored, not the file's AgentInstance. Rewards 0.5 and 1.0 -> the episode's 1.5 (the
+    sum, OpenRLHF's total_reward), its score the same sum (no 'scores' key)."""
+    cls = agent.load_agent(agent_file(tmp_path, PICKED, name="picked.py"))
+    assert cls.__name__ == "Scored" and not getattr(cls, "__is_executor__", False)
+    eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=30, first_max_tokens=4), items(tok, 2))
+    assert [(e.turns, e.reward, e.score) for e in eps] == [(2, 1.5, 1.5)] * 2
+
+
+OWN_EXECUTE = """
+from rlhf_core.rollout.agent import AgentExecutorBase
+MADE = []
+
+class AgentExecutor(AgentExecutorBase):
+    def __init__(self):
+        MADE.append(self)
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        obs = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        sampling_params.max_tokens = 3
+        out = (await llm_engine.generate(obs, sampling_params)).outputs[0]
+        return {"observation_tokens": obs + list(out.token_ids), "action_ranges": [(len(obs), len(obs) + len(out.token_ids))],
+                "rollout_log_probs": [0.0] * len(obs) + [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)],
+                "reward": 0.75}
+"""
+
+
+def test_an_agent_executor_with_its_own_execute_runs_every_episode_one_instance_per_run(engine, tok, tmp_path):
+    """agent_func_path's AgentExecutor defining execute runs the episodes itself (CustomExecutor), made once (OpenRLHF
+    makes one per engine, then calls execute per prompt); the episode's reward is what execute returns."""
+    cls = agent.load_agent(agent_file(tmp_path, OWN_EXECUTE, name="own.py"))
+    assert cls.__is_executor__
+    ex = agent.CustomExecutor(agent.EngineClient([engine], 1), tok, lambda ids, **kw: tok.decode(ids, **kw),
+                              agent.SamplingParams(), 8, cls)
+    eps = agent.run_episodes(ex, items(tok, 3))
+    assert [e.reward for e in eps] == [0.75] * 3 and all(1 <= sum(e.action_mask) <= 3 for e in eps)
+    agent.run_episodes(ex, items(tok, 2))
+    assert len(cls.__init__.__globals__["MADE"]) == 1
+
+
+class FixedEngine:
+    """Returns the same 6 tokens [40, 41, 42, 43, 44, 45] for every request; records each call's extra settings."""
+
+    def __init__(self):
+        self.kwargs = []
+
+    def generate(self, ids, n, max_new, temperature, top_p, top_k, seed, **kwargs):
+        self.kwargs.append(kwargs)
+        out = [40, 41, 42, 43, 44, 45][:max_new]
+        return [[{"ids": out, "logprobs": [-1.0] * len(out), "finish_reason": "length"}] for _ in ids]
+
+
+SETTINGS = """
+SEEN = []
+from rlhf_core.rollout.agent import AgentInstanceBase
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        sp = states["sampling_params"]
+        SEEN.append((vars(sp).copy(), states["action_text"]))
+        nxt = {"min_tokens": 2, "repetition_penalty": 1.2, "stop_token_ids": [42], "skip_special_tokens": False}
+        if self.turn == 2:
+            nxt = {"stop": ["cc"], "include_stop_str_in_output": False}
+        return {"rewards": 1.0, "environment_feedback": " .", "done": self.turn == 3, "sampling_params": nxt}
+"""
+
+
+def test_every_sampling_setting_reaches_the_agent_and_the_engine(tmp_path):
+    """The agent sees all of vLLM's settings the engines honour; what it returns reaches the engine (min_tokens,
+    repetition_penalty) or ends the action (stop_token_ids: tokens up to and including 42; stop "cc": up to the
+    token completing it, its text cut before "cc"). A dict key the engines do not honour is refused by name."""
+    path = agent_file(tmp_path, SETTINGS, name="settings.py")
+    cls = agent.load_agent(path)
+    eng = FixedEngine()
+    text = {40: "a", 41: "b", 42: "c", 43: "c", 44: "d", 45: "e"}
+    decode = lambda ids, skip_special_tokens=True: "".join(text[t] for t in ids) + ("" if skip_special_tokens else "<s>")  # noqa: E731
+    ex = agent.Executor(agent.EngineClient([eng], 1), encode=lambda s: [7] * len(s), decode=decode,
+                        sampling=agent.SamplingParams(temperature=0.7, top_p=0.9, top_k=5), max_new_tokens=40,
+                        max_turns=5, agent_cls=cls)
+    ep = agent.run_episodes(ex, [(0, "p", [1, 2], None)])[0]
+    seen = cls.step.__globals__["SEEN"]
+    first = seen[0][0]
+    assert {k: first[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "repetition_penalty",
+                                  "stop", "stop_token_ids", "skip_special_tokens", "logprobs")} == dict(
+        temperature=0.7, top_p=0.9, top_k=5, max_tokens=None, min_tokens=0, repetition_penalty=1.0, stop=None,
+        stop_token_ids=None, skip_special_tokens=True, logprobs=0)
+    assert seen[0][1] == "abccde"  # turn 1: all 6 tokens
+    assert eng.kwargs == [{}, {"min_new_tokens": 2, "repetition_penalty": 1.2}, {}]
+    assert seen[1][1] == "abc<s>"  # turn 2: cut after stop token 42, special tokens kept
+    assert seen[2][1] == "ab"  # turn 3: the token completing "cc" (43) ends it; the text is cut before "cc"
+    actions = [ep.ids[k] for k, m in enumerate(ep.action_mask) if m]
+    assert actions == [40, 41, 42, 43, 44, 45] + [40, 41, 42] + [40, 41, 42, 43]
+    assert ep.reward == 3.0
+    bad = agent_file(tmp_path, SETTINGS.replace('"stop": ["cc"]', '"n": 4'), name="bad_settings.py")
+    ex.agent_cls = agent.load_agent(bad)
+    with pytest.raises(agent.AgentError, match=r"bad_settings.py: episode 0, turn 2: 'sampling_params': \['n'\] are "
+                                               r"not sampling settings the rollout engines honour"):
+        agent.run_episodes(ex, [(0, "p", [1, 2], None)])
+
+
+def test_hf_engine_takes_min_tokens_and_repetition_penalty(engine):
+    """The HF engine's min_new_tokens: no EOS among the first 3 tokens (transformers' processor)."""
+    outs = engine.hf.generate([[5, 6, 7]], 4, 6, 1.0, 1.0, 0, 3, min_new_tokens=3, repetition_penalty=1.3)
+    assert len(outs[0]) == 4 and all(not set(o["ids"][:3]) & engine.hf.eos_ids for o in outs[0])
