@@ -193,6 +193,13 @@ class Config(StageConfig):
     ref_num_nodes: int = Field(1, ge=1, description="Reference nodes (--ref_num_nodes).")
     ref_num_gpus_per_node: int = Field(1, ge=1, description="Reference ranks per node (--ref_num_gpus_per_node); "
                                        "several ranks shard it with ZeRO-3 inference.")
+    reward_num_nodes: int = Field(1, ge=1, description="Reward-model nodes (--reward_num_nodes).")
+    reward_num_gpus_per_node: int = Field(1, ge=1, description="Reward-model ranks per node (--reward_num_gpus_per_node): "
+                                          "reward_num_nodes x this Ray actors (each on its own GPU, or its colocated "
+                                          "bundle), each scoring its shard of a step's samples with every reward model: "
+                                          "replicas, or under zero_stage 3 ZeRO-3 inference ranks each holding its "
+                                          "partition of every reward model (OpenRLHF runs its reward models at the "
+                                          "run's ZeRO stage 3), for reward models larger than one GPU.")
     ref_reward_offload: bool = Field(False, description="Keep the reference and reward model on the CPU between their "
                                      "forwards (--ref_reward_offload).")
     packing_samples: bool = Field(False, description="Pack samples into rows without padding, per-sample position ids "
@@ -288,7 +295,8 @@ class Config(StageConfig):
         "log_steps", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
-        "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload"}
+        "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload",
+        "reward_num_nodes", "reward_num_gpus_per_node"}
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -431,6 +439,18 @@ class Config(StageConfig):
             if (self.colocate_actor_ref or self.colocate_all_models) and rworld > world:
                 raise ValueError(f"colocate_actor_ref / colocate_all_models: {rworld} reference ranks on {world} "
                                  "policy ranks' devices (one reference rank per policy rank at most, as OpenRLHF)")
+        rm_world = self.reward_num_nodes * self.reward_num_gpus_per_node
+        if rm_world > 1:
+            if not has_rm:
+                raise ValueError(f"reward_num_nodes x reward_num_gpus_per_node = {rm_world} reward-model ranks, but "
+                                 f"there is no reward_model_uri (a reward function or server scores the samples)")
+            cworld = self.critic_num_nodes * self.critic_num_gpus_per_node
+            if self.colocate_all_models and rm_world > world:
+                raise ValueError(f"colocate_all_models: {rm_world} reward-model ranks on {world} policy ranks' devices "
+                                 f"(one reward rank per policy rank at most)")
+            if self.colocate_critic_reward and not self.colocate_all_models and rm_world > cworld:
+                raise ValueError(f"colocate_critic_reward: {rm_world} reward-model ranks on {cworld} critic ranks' "
+                                 f"devices (one reward rank per critic rank at most; OpenRLHF asks for equal counts)")
         if not self.use_dynamic_batch:
             given = sorted(k for k in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu")
                            if getattr(self, k) != type(self).model_fields[k].default)  # a saved config loads back

@@ -82,8 +82,18 @@ def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: l
 
     try:
         if roles.reward is not None:  # every reward model scores; several combine as reward_models_agg says
-            each = roles.wait([roles.reward.score_each.remote(list(zip(prompts, responses)), finished)],
-                              [roles.reward], f"generate (scoring {where})")[0]
+            from rlhf_core.rollout.rewards import shard_pairs
+
+            pairs, done = list(zip(prompts, responses)), finished or [True] * len(prompts)
+            shards = shard_pairs(len(pairs), len(roles.rewards))  # each reward rank scores its shard
+            parts = roles.wait([a.score_each.remote([pairs[i] for i in idx], [done[i] for i in idx])
+                                for a, idx in zip(roles.rewards, shards)], roles.rewards, f"generate (scoring {where})")
+            got: list[dict] = [{} for _ in parts[0]]  # per model: pair index -> score (a repeated index: its first)
+            for idx, part in zip(shards, parts):
+                for m, scores in enumerate(part):
+                    for i, v in zip(idx, scores):
+                        got[m].setdefault(i, v)
+            each = [[g[i] for i in range(len(pairs))] for g in got]
             out = combine_rewards(each, cfg.reward_models_agg)
             check_finite(out, f"reward model {reward_spec.model}")
             per_rm = {f"rm{i}": sum(e) / len(e) for i, e in enumerate(each)} if len(each) > 1 else {}
@@ -387,7 +397,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         return {"history": state.history, "steps_done": state.step, "planned_steps": total, "tracked": tracked,
                 "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
                 "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
-                                            for kind, group in (("policy", roles.policy), ("critic", roles.critic))
+                                            for kind, group in (("policy", roles.policy), ("critic", roles.critic),
+                                                                ("reward", roles.rewards))
                                             if group},
                 "role_gpus": roles.gpu_ids(), "ray_address": ray.get_runtime_context().gcs_address, "weight_sync_method": roles.weights.method,
                 "weight_sync_bytes": roles.weights.bytes}

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from rlhf_core.ppo.plan import bundle_plan  # noqa: F401  (which bundle each role takes: part of the memory plan)
+from rlhf_core.ppo.plan import bundle_plan, reward_ranks  # noqa: F401  (which bundle each role takes: the memory plan)
 
 
 class RoleError(RuntimeError):
@@ -128,7 +128,8 @@ def check_resources(plan: list[tuple[str, int]], free: dict, gpu: bool, per_cpu:
             ([f"{n * per_cpu:g} CPUs"] if free.get("CPU", 0) + 1e-9 < n * per_cpu else [])
     if short:
         raise ValueError(f"placement: {n} bundles ({asked}; rollout engines count vllm_num_engines x "
-                         f"vllm_tensor_parallel_size, the reference ref_num_nodes x ref_num_gpus_per_node) need "
+                         f"vllm_tensor_parallel_size, the reference ref_num_nodes x ref_num_gpus_per_node, the reward "
+                         f"model reward_num_nodes x reward_num_gpus_per_node) need "
                          f"{' and '.join(short)}; free: {free.get('GPU', 0):g} GPUs, {free.get('CPU', 0):g} CPUs")
 
 
@@ -223,10 +224,14 @@ class Roles:
         rworld = cfg.ref_num_nodes * cfg.ref_num_gpus_per_node
         self.reference = [place("reference" if rworld == 1 else f"reference{r}", Reference, ref_dir, hp, r, rworld,
                                 gpus=gpu) for r in range(rworld)] if ref_dir else None
-        # one actor holds every reward model of reward_model_uri "a,b" (each scores, the driver combines)
+        # the reward group: reward_num_nodes x reward_num_gpus_per_node ranks, each holding every reward model of
+        # reward_model_uri "a,b" (each scores, the driver combines), replicas or ZeRO-3 partitions (zero_stage 3)
         rms = [u.strip() for u in reward_model_dir.split(",") if u.strip()] if reward_model_dir else []
-        self.reward = place("reward", RMEnsemble, rms, reward_spec, gpus=gpu,
-                            offload=hp["ref_reward_offload"]) if rms else None
+        n_rm, sharded = reward_ranks(cfg)
+        self.rewards = [place("reward" if n_rm == 1 else f"reward{r}", RMEnsemble, rms, reward_spec, gpus=gpu,
+                              offload=hp["ref_reward_offload"], rank=r, world=n_rm, sharded=sharded)
+                        for r in range(n_rm)] if rms else []
+        self.reward = self.rewards[0] if self.rewards else None
         # each engine's bundles in its placement group, its own first, then its tensor-parallel workers' (for the
         # engine to place them)
         self.engine_bundles = [[slots[name][1] for name, _ in self.plan if name.split(".")[0] == f"rollout{j}"]
@@ -241,10 +246,10 @@ class Roles:
             self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, capture=True, bundles=self.engine_bundles[j],
                                    gpus_per_worker=1 / share[dict(self.plan)[f"rollout{j}"]])
                              for j in range(cfg.vllm_num_engines)]
-        self.all = [*self.policy, *self.critic, *(self.reference or []), *([self.reward] if self.reward else []),
-                    *self.rollouts]
+        self.all = [*self.policy, *self.critic, *(self.reference or []), *self.rewards, *self.rollouts]
         self._names = [*(f"policy{r}" for r in range(world)), *(f"critic{r}" for r in range(len(self.critic))),
-                       *(n for n, _ in self.plan if n.startswith("reference")), *(["reward"] if self.reward else []),
+                       *(n for n, _ in self.plan if n.startswith("reference")),
+                       *(n for n, _ in self.plan if n.startswith("reward")),
                        *(f"rollout{j}" for j in range(len(self.rollouts)))]
         setups, who = [], []
         # rank 0 binds the group's rendezvous port: it is chosen on rank 0's host, not here
@@ -257,6 +262,10 @@ class Roles:
             addr, port = self.wait([self.reference[0].rendezvous.remote()], self.reference[:1], "setting up")[0]
             setups += [a.setup.remote(addr, port) for a in self.reference]
             who += self.reference
+        if self.rewards and sharded:  # the ZeRO-3 reward ranks join theirs
+            addr, port = self.wait([self.rewards[0].rendezvous.remote()], self.rewards[:1], "setting up")[0]
+            setups += [a.setup.remote(addr, port) for a in self.rewards]
+            who += self.rewards
         self.wait(setups, who, "setting up")
         if cfg.vllm_num_engines == 0:
             self.rollouts = self.policy[:1]
@@ -313,7 +322,7 @@ class Roles:
         (the learners report theirs with each train step)."""
         import ray
 
-        named = [("reference", r) for r in self.reference or []] + [("reward", self.reward)] * bool(self.reward) + \
+        named = [("reference", r) for r in self.reference or []] + [("reward", r) for r in self.rewards] + \
             [("rollout", e) for e in self.rollouts]
         out: dict[str, float] = {}
         for (k, _), v in zip(named, ray.get([a.peak_memory_gb.remote() for _, a in named])):

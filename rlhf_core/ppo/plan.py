@@ -103,15 +103,24 @@ def read_config(uri: str, storage_options: dict | None = None) -> dict:
                         f"each model's config.json (point the URI at a folder holding it)") from None
 
 
+def reward_ranks(cfg) -> tuple[int, bool]:
+    """(ranks of the reward group, whether they shard every reward model with ZeRO-3): reward_num_nodes x
+    reward_num_gpus_per_node ranks (OpenRLHF's flags), sharded under zero_stage 3 as OpenRLHF runs its reward
+    models at the run's ZeRO stage when it is 3 (replicas that each score a shard of the samples otherwise)."""
+    n = getattr(cfg, "reward_num_nodes", 1) * getattr(cfg, "reward_num_gpus_per_node", 1)
+    return n, n > 1 and cfg.zero_stage == 3
+
+
 def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
     """(role, placement-group bundle) for every actor, in the order Roles creates them: policy ranks, critic
     ranks, reference ranks ("reference" for one, "reference0".. for ZeRO-3 ranks: ref_num_nodes x
-    ref_num_gpus_per_node), reward, rollout engines ("rollout{j}", and "rollout{j}.tp{k}" for the bundles of
+    ref_num_gpus_per_node), reward ranks ("reward" for one, "reward0".. for reward_num_nodes x
+    reward_num_gpus_per_node), rollout engines ("rollout{j}", and "rollout{j}.tp{k}" for the bundles of
     its tensor-parallel workers k = 1 .. vllm_tensor_parallel_size - 1, which the engine starts itself). Each
     gets its own bundle, except (OpenRLHF's flags): colocate_all_models puts critic rank i, reference rank i,
-    the reward model and engine j's TP rank k on policy rank (i, 0 or j x TP + k) mod world's bundle (the
+    reward rank i and engine j's TP rank k on policy rank (i, i or j x TP + k) mod world's bundle (the
     hybrid engine); colocate_actor_ref puts reference rank i on policy rank i's bundle; colocate_critic_reward
-    puts the reward model on critic rank 0's bundle."""
+    puts reward rank i on critic rank i mod cworld's bundle."""
     plan = [(f"policy{r}", r) for r in range(world)]
     nxt = world
 
@@ -129,8 +138,11 @@ def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> 
         for r in range(rworld):
             add("reference" if rworld == 1 else f"reference{r}", r % world if every or cfg.colocate_actor_ref else None)
     if reward:
-        critic0 = dict(plan).get("critic0")
-        add("reward", 0 if every else critic0 if cfg.colocate_critic_reward and critic0 is not None else None)
+        n, critics = reward_ranks(cfg)[0], dict(plan)
+        for r in range(n):
+            critic = critics.get(f"critic{r % cworld}") if cworld else None
+            add("reward" if n == 1 else f"reward{r}",
+                r % world if every else critic if cfg.colocate_critic_reward and critic is not None else None)
     for j in range(cfg.vllm_num_engines):
         for k in range(tp):
             add(f"rollout{j}" + (f".tp{k}" if k else ""), (j * tp + k) % world if every else None)
@@ -262,7 +274,7 @@ def plan(cfg, shapes: dict[str, Shape], gpu_gb: float, legacy: bool = False) -> 
             elif kind == "reference":
                 got = _reference(cfg, shapes["policy"], rworld, b, phase)
             elif kind == "reward":
-                got = _reward(cfg, rms, b, phase)
+                got = _reward(cfg, rms, b, phase, *reward_ranks(cfg))
             else:
                 got = _engine(cfg, shapes["policy"], b, phase, state["engine"], gpu_gb, name)
             got = {k: int(v) for k, v in got.items() if v}
@@ -342,12 +354,15 @@ def _reference(cfg, s: Shape, rworld: int, b: int, phase: str) -> dict:
     return out
 
 
-def _reward(cfg, shapes: list[Shape], b: int, phase: str) -> dict:
-    weights = sum(s.params for s in shapes) * b
+def _reward(cfg, shapes: list[Shape], b: int, phase: str, n: int = 1, sharded: bool = False) -> dict:
+    """One reward rank: every model's weights (its ZeRO-3 partition when sharded over the n ranks)."""
+    weights = sum(s.params for s in shapes) * b / (n if sharded else 1)
     out = {"weights": 0 if cfg.ref_reward_offload and phase != "generate" else weights}
     if phase == "generate":  # the rollout scores its samples, a micro-batch at a time
         rows = cfg.micro_rollout_batch_size or cfg.micro_train_batch_size
         out["activations"] = max(forward_activations(s, rows * cfg.reward_max_len, b, False) for s in shapes)
+        if sharded:
+            out["gather"] = max(_zero3_gather(s, b) for s in shapes)
     return out
 
 

@@ -174,16 +174,44 @@ def _norm_stats(cfg) -> tuple[float, float] | None:
     return None
 
 
+class _Scorer:
+    """body + head as one top module, so a ZeRO-3 engine's forward runs inside its top module's call (DeepSpeed's
+    fetch trace completes, as rlhf_core.rl.logprobs.through_top does for the policy)."""
+
+    @staticmethod
+    def make(body, head):
+        import torch
+
+        class Scorer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body, self.head = body, head
+
+            def forward(self, ids, mask, pos):
+                h = self.body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # (B, T, H)
+                return self.head(h[:, -1]).squeeze(-1).float()  # (B,)
+
+        return Scorer()
+
+
 class RMEngine:
     """Scores (prompt, response) texts with a reward model. One instance per Ray actor (or in-process).
-    `offload` (ppo's ref_reward_offload, CUDA only): the weights wait in host memory between scoring calls."""
+    `offload` (ppo's ref_reward_offload, CUDA only): the weights wait in host memory between scoring calls.
+    `zero3` (a DeepSpeed config of ZeRO stage 3, in a process that joined its torch.distributed group): the model
+    is built inside zero.Init, each rank holding its partition of every parameter, and every forward gathers
+    each layer from the others (ppo's reward_num_nodes x reward_num_gpus_per_node > 1 with zero_stage 3)."""
 
-    def __init__(self, model: str, spec: RewardSpec, offload: bool = False):
+    def __init__(self, model: str, spec: RewardSpec, offload: bool = False, zero3: dict | None = None):
         import torch
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
         from rlhf_core.train.batches import Encoder
 
+        keep = None
+        if zero3 is not None:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            keep = HfDeepSpeedConfig(zero3)  # noqa: F841  from_pretrained builds inside zero.Init while it lives
         path = _local_model(model, spec.storage_options)
         prefix = head_prefix(path, spec.value_head_prefix)
         kind = check_reward_model(path, prefix, spec.prm_tokens)
@@ -221,9 +249,17 @@ class RMEngine:
                         w = st.get_tensor(f"{prefix}.weight")
             self.head = torch.nn.Linear(w.shape[1], 1, bias=False, dtype=dtype)
             self.head.weight.data.copy_(w.to(dtype))
-        self.offload = offload and self.device == "cuda"
-        self.body.to("cpu" if self.offload else self.device).eval()
-        self.head.to("cpu" if self.offload else self.device).eval()
+        self.scorer = None
+        if zero3 is not None:  # the partitions stay where DeepSpeed put them (offload_param: the host)
+            import deepspeed
+
+            del keep
+            self.offload = False
+            self.scorer = deepspeed.initialize(model=_Scorer.make(self.body, self.head), config=zero3)[0].module.eval()
+        else:
+            self.offload = offload and self.device == "cuda"
+            self.body.to("cpu" if self.offload else self.device).eval()
+            self.head.to("cpu" if self.offload else self.device).eval()
         self.stats = _norm_stats(AutoConfig.from_pretrained(path)) if spec.normalize else None
         self.spec = spec
         self.pad_id = models.pad_id(self.tok, path)
@@ -245,6 +281,8 @@ class RMEngine:
             ids[r, width - len(x):] = torch.tensor(x)
             mask[r, width - len(x):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self.scorer is not None:
+            return self.scorer(ids.to(self.device), mask.to(self.device), pos.to(self.device))
         h = self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                       position_ids=pos.to(self.device)).last_hidden_state  # (B, T, H)
         return self.head(h[:, -1]).squeeze(-1).float()  # (B,) last real token of each row
@@ -319,10 +357,51 @@ class RMEngine:
 
 class RMEnsemble:
     """Several reward models in one actor (ppo's reward_model_uri "a,b", OpenRLHF's --reward_pretrain a,b):
-    each scores every pair (`score_each` # (n_models, B)); the driver combines them (combine_rewards)."""
+    each scores every pair (`score_each` # (n_models, B)); the driver combines them (combine_rewards).
 
-    def __init__(self, models: list[str], spec: RewardSpec, offload: bool = False):
-        self.engines = [RMEngine(m, spec, offload) for m in models]
+    One rank of ppo's reward group (reward_num_nodes x reward_num_gpus_per_node ranks, OpenRLHF's flags): each rank
+    scores its shard of the pairs. A replica (rank of a group with zero_stage < 3, or world 1) loads every model
+    here; with `sharded` (zero_stage 3, as OpenRLHF runs its reward models under the run's ZeRO stage 3) the ranks
+    load in `setup`, once the driver knows rank 0's address: each holds its ZeRO-3 partition of every model and
+    they forward together (the driver gives every rank the same number of pairs)."""
+
+    def __init__(self, models: list[str], spec: RewardSpec, offload: bool = False, rank: int = 0, world: int = 1,
+                 sharded: bool = False):
+        self.models, self.spec, self.offload, self.rank, self.world = models, spec, offload, rank, world
+        self.engines = [] if sharded else [RMEngine(m, spec, offload) for m in models]
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free there (rank 0 binds it: chosen on its host)."""
+        import ray
+
+        from rlhf_core.runtime.jobs import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the reward group and load this rank's ZeRO-3 partition of every model."""
+        import os
+
+        import deepspeed
+        import deepspeed.ops
+
+        cuda = _cuda()
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0") if cuda else "0")
+        if not cuda:
+            deepspeed.ops.__dict__["__compatible_ops__"] = {}  # skip the 60-80 s shm op build (ENV-NOTES)
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        offload = self.offload and cuda
+        zero = {"stage": 3, **({"offload_param": {"device": "cpu", "pin_memory": True}} if offload else {})}
+        ds = {"train_batch_size": self.world, "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+              "bf16": {"enabled": self.spec.dtype == "bfloat16"}, "steps_per_print": 10 ** 9}
+        self.engines = [RMEngine(m, self.spec, self.offload, zero3=ds) for m in self.models]
+        return self.rank
+
+    def param_elements(self) -> int:
+        """Parameter elements this rank holds (its ZeRO-3 partitions, else every parameter)."""
+        return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+                   for e in self.engines for m in (e.body, e.head) for p in m.parameters())
 
     def score_each(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[list[float]]:
         return [e.score(pairs, finished) for e in self.engines]
@@ -331,6 +410,18 @@ class RMEnsemble:
         from rlhf_core.runtime.devices import peak_memory_gb
 
         return peak_memory_gb()
+
+
+def shard_pairs(n: int, world: int) -> list[list[int]]:
+    """The indices of n pairs split over `world` reward ranks in contiguous shards of equal length: a shorter
+    shard repeats its last index (or the last pair's), so ZeRO-3 ranks forward the same number of micro-batches;
+    the driver keeps each index's first score. e.g. n 5, world 2: [[0, 1, 2], [3, 4, 4]]; n 1, world 2: [[0], [0]]."""
+    size = -(-n // world)
+    out = []
+    for r in range(world):
+        idx = list(range(r * size, min(n, (r + 1) * size)))
+        out.append(idx + [idx[-1] if idx else n - 1] * (size - len(idx)))
+    return out
 
 
 def mark_steps(response: str, separator: str, placeholder: str) -> str:

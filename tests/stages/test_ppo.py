@@ -180,9 +180,11 @@ def test_grpo_groups_of_equal_rewards_leave_the_policy_exactly_as_it_was(warm, t
 @pytest.mark.slow
 def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     """Policy and critic as 2-rank DeepSpeed ZeRO-3 groups (gloo) on shards of each batch: the gathered full
-    weights reach the rollout engine (its log-probs equal the policy's) and both models train and save."""
+    weights reach the rollout engine (its log-probs equal the policy's) and both models train and save. The reward
+    model on 2 ranks of its own (reward_num_gpus_per_node 2, issue 37): under zero_stage 3 each holds half of it."""
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "z3"),
-                     **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32, "micro_train_batch_size": 8},
+                     **{**BASE, "rollout_batch_size": 32, "train_batch_size": 32, "micro_train_batch_size": 8,
+                        "reward_func_path": None}, reward_model_uri=tiny.reward_uri, reward_num_gpus_per_node=2,
                      advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=1, zero_stage=3,
                      actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, actor_learning_rate=1e-4,
                      init_kl_coef=0.01, save_value_network=True, enable_vllm_is_correction=True, use_icepop=True)
@@ -197,6 +199,10 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     full = sum(t.numel() for t in load_file(str(tmp_path / "z3" / "model.safetensors")).values())
     for n in m.metrics["param_elements_per_rank"]["policy"]:
         assert full / 2 <= n < full / 2 * 1.05
+    rm = sum(t.numel() for t in load_file(str(Path(tiny.reward_dir) / "model.safetensors")).values())
+    assert m.metrics["placement"]["reward0"] != m.metrics["placement"]["reward1"]  # a bundle each
+    for n in m.metrics["param_elements_per_rank"]["reward"]:
+        assert rm / 2 <= n < rm / 2 * 1.05
 
 @pytest.mark.slow
 def test_async_grpo_learns_on_stale_rollouts_and_a_killed_run_resumes_losing_nothing(warm, tmp_path, caplog):
@@ -292,6 +298,47 @@ def test_openrlhf_defaults_for_the_math_and_the_settings_that_restore_the_others
                          "train_batch_size": 8}).n_samples_per_prompt == 1
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ({}, {"reward0": 5, "reward1": 6, "rollout0": 7}),
+    ({"colocate_critic_reward": True}, {"reward0": 2, "reward1": 3, "rollout0": 5}),
+    ({"colocate_all_models": True, "vllm_num_engines": 2}, {"reward0": 0, "reward1": 1, "rollout0": 0}),
+])
+def test_reward_ranks_take_bundles_of_their_own_or_colocated(flags, expected):
+    """reward_num_gpus_per_node 2 (issue 37): two reward ranks, each its own bundle, or critic rank i's / policy
+    rank i's when colocated; sharded (ZeRO-3) only under zero_stage 3."""
+    from rlhf_core.ppo.plan import bundle_plan, reward_ranks
+
+    cfg = ppo.Config(**{**dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_model_uri="rm", vllm_num_engines=1,
+                               actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, micro_train_batch_size=2,
+                               reward_num_gpus_per_node=2), **flags})
+    got = dict(bundle_plan(cfg, 2, 2, True, True))
+    assert {k: got[k] for k in expected} == expected and "reward" not in got
+    assert reward_ranks(cfg) == (2, False) and reward_ranks(cfg.model_copy(update={"zero_stage": 3})) == (2, True)
+
+
+def test_reward_ranks_shard_the_pairs_and_the_driver_reassembles_them():
+    """shard_pairs: 5 pairs on 2 ranks -> [[0, 1, 2], [3, 4, 4]] (equal lengths: ZeRO-3 ranks forward together);
+    rewards_for sends each rank its shard and puts the scores back in order (a repeated pair counted once)."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rollout.rewards import shard_pairs
+
+    assert shard_pairs(5, 2) == [[0, 1, 2], [3, 4, 4]] and shard_pairs(1, 2) == [[0], [0]]
+    assert shard_pairs(4, 4) == [[0], [1], [2], [3]]
+
+    class Rank:  # a reward rank whose models score len(response) and 10 x len(response)
+        def __init__(self):
+            self.score_each = SimpleNamespace(remote=lambda pairs, done: [[len(r) for _, r in pairs],
+                                                                          [10 * len(r) for _, r in pairs]])
+
+    ranks = [Rank(), Rank()]
+    roles = SimpleNamespace(reward=ranks[0], rewards=ranks, wait=lambda refs, actors, what: refs)
+    cfg = SimpleNamespace(reward_models_agg="sum")
+    out, scores, extra = loop.rewards_for(cfg, SimpleNamespace(model="rm"), roles, ["p"] * 5,
+                                          ["a", "bb", "ccc", "dddd", "eeeee"], [None] * 5, "step 1")
+    assert out == [11, 22, 33, 44, 55] and extra == {"rm0": 3.0, "rm1": 30.0}
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("over, message", [
     (dict(advantage_estimator="group_norm", n_samples_per_prompt=1), "group_norm needs n_samples_per_prompt >= 2"),
@@ -322,6 +369,9 @@ def test_openrlhf_defaults_for_the_math_and_the_settings_that_restore_the_others
     (dict(vllm_num_engines=0, async_train=True), "vllm_num_engines 0 .* cannot be used with async_train"),
     (dict(vllm_num_engines=0, rollout_backend="vllm"), "vllm_num_engines 0 .* cannot be used with rollout_backend vllm"),
     (dict(save_hf_ckpt=True), "save_hf_ckpt writes an HF folder with each checkpoint: save_steps is 0"),
+    (dict(reward_num_gpus_per_node=2), "2 reward-model ranks, but there is no reward_model_uri"),
+    (dict(reward_func_path=None, reward_model_uri="rm", reward_num_nodes=2, reward_num_gpus_per_node=2,
+          colocate_all_models=True, vllm_num_engines=1), "colocate_all_models: 4 reward-model ranks on 1 policy"),
     (dict(reward_func_path=None, agent_func_path="a.py", agent_executor_path="e.py"), "both run the episodes: set one"),
     (dict(agent_executor_path="e.py"), r"agent_executor_path gives the rewards .*: drop \['reward_func_path'\]"),
 ])
@@ -646,7 +696,8 @@ def test_ptx_two_reward_models_value_head_critic_hf_checkpoints_and_rollouts_on_
     """One gae run with five OpenRLHF flags: pretrain_data + ptx_coef (the committed SFT rows), reward_model_uri
     "a,b" (a: an OpenRLHF value_head-format RM, b: the same backbone with its `score` head doubled), the critic
     from a (the first RM, as OpenRLHF; value_head format), save_hf_ckpt with save_steps 1, and
-    vllm_num_engines 0 (policy rank 0 generates). 3 steps; the actor is frozen at step 1."""
+    vllm_num_engines 0 (policy rank 0 generates). 3 steps; the actor is frozen at step 1. Both reward models on
+    2 reward ranks (reward_num_gpus_per_node 2, zero_stage 2: replicas, each scoring half the samples)."""
     from transformers import AutoModelForCausalLM
 
     from tests.rlhf_core.ppo.test_ppo_roles import openrlhf_rm
@@ -658,9 +709,12 @@ def test_ptx_two_reward_models_value_head_critic_hf_checkpoints_and_rollouts_on_
                            output_uri=str(out), reward_model_uri=f"{a},{b}", advantage_estimator="gae",
                            n_samples_per_prompt=2, max_samples=24, init_kl_coef=0.0, actor_learning_rate=1e-4,
                            freezing_actor_steps=1, pretrain_data=str(warm.root / "sft-data"), ptx_coef=0.5,
-                           save_steps=1, save_hf_ckpt=True, vllm_num_engines=0))
+                           save_steps=1, save_hf_ckpt=True, vllm_num_engines=0, reward_num_gpus_per_node=2))
     log = json.loads((out / "training_log.json").read_text())
     assert m.metrics["steps_done"] == 3 and [h["actor_trained"] for h in log] == [False, True, True]
+    full = sum(t.numel() for t in load_file(str(a / "model.safetensors")).values())
+    assert len(m.metrics["param_elements_per_rank"]["reward"]) == 2  # replicas: each holds both reward models
+    assert all(n >= 2 * full * 0.99 for n in m.metrics["param_elements_per_rank"]["reward"])
     for h in log:  # each RM scored every sample; summed as OpenRLHF's reward_fn; b = 2 x a exactly (no bias)
         assert h["reward_rm1"] == pytest.approx(2 * h["reward_rm0"], rel=1e-4, abs=1e-5)
         assert h["reward"] == pytest.approx(h["reward_rm0"] + h["reward_rm1"], rel=1e-4, abs=1e-5)

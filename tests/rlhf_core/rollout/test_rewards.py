@@ -141,3 +141,40 @@ def test_remote_server_unreachable_names_url_after_retries():
 def test_exactly_one_source():
     with pytest.raises(RewardError, match="exactly one"):
         compute_rewards(RewardSpec(model="a", func_path="b"), PROMPTS, RESPONSES)
+
+
+# ---------------------------------------------------------------------------------------------- issue 37: RM ranks
+def _rm_rank(rank: int, world: int, port: int, models: list, pairs: list, out: str) -> None:
+    """One ZeRO-3 reward rank in a spawned process: its shard of the pairs, scored by every model."""
+    from rlhf_core.rollout.rewards import RMEnsemble, shard_pairs
+
+    torch.set_num_threads(1)
+    rm = RMEnsemble(models, RewardSpec(model=models[0], batch_size=2), rank=rank, world=world, sharded=True)
+    rm.setup("127.0.0.1", port)
+    idx = shard_pairs(len(pairs), world)[rank]
+    torch.save({"idx": idx, "scores": rm.score_each([pairs[i] for i in idx]), "elements": rm.param_elements()},
+               f"{out}/rank{rank}.pt")
+
+
+def test_two_zero3_reward_ranks_score_as_one_each_holding_half(tiny, tmp_path):
+    """ppo's reward_num_gpus_per_node 2 under zero_stage 3: two reward ranks (spawned processes, a gloo group), each
+    holding its ZeRO-3 partition of a seq-cls RM and of an OpenRLHF value_head RM, score 5 pairs split 3 / 3 (the
+    second shard repeats its last pair so both ranks forward 2 micro-batches of 2): every score equals the unsharded
+    RMEngine's (atol 1e-5, fp32) and each rank holds about half the elements."""
+    import torch.multiprocessing as mp
+
+    from rlhf_core.rollout.rewards import RMEnsemble
+    from rlhf_core.runtime.jobs import free_port
+    from tests.rlhf_core.ppo.test_ppo_roles import openrlhf_rm
+
+    models = [str(tiny.reward_dir), str(openrlhf_rm(tiny.reward_dir, tmp_path / "vh"))]
+    pairs = [(f"Review {i}: ", "good fine " * (i + 1)) for i in range(5)]
+    whole = RMEnsemble(models, RewardSpec(model=models[0], batch_size=2))
+    expected, total = whole.score_each(pairs), whole.param_elements()
+    mp.spawn(_rm_rank, args=(2, free_port(), models, pairs, str(tmp_path)), nprocs=2)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [p["idx"] for p in parts] == [[0, 1, 2], [3, 4, 4]]
+    for m in range(2):
+        got = {i: s for p in parts for i, s in zip(p["idx"], p["scores"][m])}
+        assert [got[i] for i in range(5)] == pytest.approx(expected[m], abs=1e-5)
+    assert all(abs(p["elements"] - total / 2) < 0.02 * total for p in parts), ([p["elements"] for p in parts], total)
