@@ -224,6 +224,12 @@ class Config(StageConfig):
                                                    "(--rollout_max_tokens_per_gpu).")
     adam_offload: bool = Field(False, description="Optimizer states on the CPU (ZeRO offload) in the learners "
                                "(--adam_offload).")
+    overlap_comm: bool = Field(False, description="The learners' DeepSpeed overlaps gradient reduction with the backward "
+                               "(zero_optimization overlap_comm + contiguous_gradients, OpenRLHF --overlap_comm); false: "
+                               "DeepSpeed's default (on for ZeRO-3 only).")
+    deepcompile: bool = Field(False, description="DeepSpeed's DeepCompile for the learners (compile.deepcompile and "
+                              "engine.compile(), OpenRLHF --deepcompile); CUDA only in DeepSpeed 0.19.8: refused by name "
+                              "when the roles have no GPU.")
     # ---- PTX, several reward models, an OpenRLHF critic, HF checkpoints, a custom executor (issue 27)
     pretrain_data: str | None = Field(None, description="PTX (--pretrain_data): SFT-format data, a committed `sft` "
                                       "artifact or raw sources (input_key / output_key, as the sft stage reads them); "
@@ -296,7 +302,7 @@ class Config(StageConfig):
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload",
-        "reward_num_nodes", "reward_num_gpus_per_node"}
+        "reward_num_nodes", "reward_num_gpus_per_node", "overlap_comm", "deepcompile"}
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -113,7 +113,8 @@ def learner_settings(cfg) -> dict:
             "value_clip", "reward_max_len", "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop",
             "temperature", "deepspeed_enable_sleep", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload",
             "packing_samples", "use_dynamic_batch", "train_max_tokens_per_gpu", "adam_offload", "value_head_prefix",
-            "weight_sync_bucket_mb", "attn_implementation", "shared_prompt", "lr_scheduler", "tokenizer_chat_template")
+            "weight_sync_bucket_mb", "attn_implementation", "shared_prompt", "lr_scheduler", "tokenizer_chat_template",
+            "overlap_comm", "deepcompile")
     return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
             "ptx_coef": cfg.ptx_coef if cfg.pretrain_data else 0.0,
             "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,

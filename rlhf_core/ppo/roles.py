@@ -30,7 +30,7 @@ from rlhf_core.ppo import node_store, weight_sync
 from rlhf_core.ppo.forward import (experience, grouped_order, micro_batches, model_kwargs, rows_of, token_outputs,
                                    trimmed)
 from rlhf_core.runtime.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
-from rlhf_core.train import adamw, no_lone_allreduce, schedule
+from rlhf_core.train import adamw, compile_engine, deepspeed_options, no_lone_allreduce, schedule
 
 
 class Learner:
@@ -75,6 +75,7 @@ class Learner:
             ds.update(train_batch_size=self.world, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
         if hp["adam_offload"]:  # ZeRO-Offload: fp32 master weights and Adam's moments in host memory
             ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        deepspeed_options(hp, ds)  # --overlap_comm, --deepcompile
         model = self.load_model(model_dir, hp, ds)
         lr = hp["actor_learning_rate"] if self.kind == "policy" else hp["critic_learning_rate"]
         if hp["gradient_checkpointing"]:
@@ -95,7 +96,8 @@ class Learner:
         name = hp.get("lr_scheduler", "cosine_with_min_lr")
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule.lr_factor(name, s, warm, total_steps,
                                                                                     hp["min_lr_ratio"]))
-        self.engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)[0])
+        self.engine = compile_engine(no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                                            config=ds)[0]), hp)
         self.module, self.device = self.engine.module, self.engine.device
         self.forwarded_tokens = 0  # tokens through the model (padding included), for the padding count
         return self.rank

@@ -16,6 +16,26 @@ def adamw(params, lr: float, betas, weight_decay: float):
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None)
 
 
+def deepspeed_options(hp: dict, config: dict) -> dict:
+    """OpenRLHF's --overlap_comm and --deepcompile into a DeepSpeed config, as its get_train_ds_config writes them:
+    overlap_comm sets zero_optimization's overlap_comm and contiguous_gradients (unset: DeepSpeed's default, on for
+    ZeRO-3 only); deepcompile sets compile.deepcompile, and the caller compiles the engine (compile_engine).
+    DeepSpeed 0.19.8 runs DeepCompile on CUDA only (deepspeed.compile.util.is_deepcompile_supported: torch >= 2.6
+    on a cuda accelerator): the stages refuse it by name on a host without CUDA."""
+    if hp.get("overlap_comm"):
+        config["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True)
+    if hp.get("deepcompile"):
+        config["compile"] = {"deepcompile": True}
+    return config
+
+
+def compile_engine(engine, hp: dict):
+    """deepcompile: engine.compile() after deepspeed.initialize, as OpenRLHF's strategy does."""
+    if hp.get("deepcompile"):
+        engine.compile()
+    return engine
+
+
 def no_lone_allreduce(engine):
     """A DeepSpeed engine without ZeRO on a single rank skips its gradient all-reduce: DeepSpeed otherwise
     flattens every gradient into one new buffer at each optimizer step to all-reduce it with itself: 0.67 s of a

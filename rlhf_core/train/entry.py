@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.rl import logprobs, losses
-from rlhf_core.train import adamw, checkpoints, no_lone_allreduce, ring, schedule
+from rlhf_core.train import adamw, checkpoints, compile_engine, deepspeed_options, no_lone_allreduce, ring, schedule
 from rlhf_core.train import attention
 from rlhf_core.train import memory, moe
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
@@ -241,11 +241,12 @@ def disable_dropout(model) -> int:
     return n
 
 
-def save_final(engine, spec: dict, method, rank: int, extra_config: dict) -> None:
-    """save_pretrained (safetensors) + tokenizer; ZeRO-3 weights gathered; LoRA: adapter and merged model."""
+def save_final(engine, spec: dict, method, rank: int, extra_config: dict, out: Path | None = None) -> None:
+    """save_pretrained (safetensors) + tokenizer into `out` (default the job's model folder); ZeRO-3 weights
+    gathered; LoRA: adapter and merged model."""
     from transformers import AutoTokenizer
 
-    out = Path(spec["work_dir"]) / "model"
+    out = out or Path(spec["work_dir"]) / "model"
     model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
     sharded = spec["zero_stage"] == 3 or spec.get("ds_tensor_parallel_size", 1) > 1  # ZeRO-3 or AutoTP shards
     sd = engine._consolidated_16bit_state_dict() if sharded else None  # all ranks take part; rank 0 keeps it
@@ -333,9 +334,32 @@ def save_checkpoint(engine, spec: dict, step: int, history: list, rank: int, wor
     dist.all_gather_object(parts, mine)
     if rank == 0:
         uri = checkpoints.commit(spec["ckpt_uri"], tag, spec["fingerprint"], [f for p in parts for f in p],
-                                 {"step": step}, spec.get("storage_options"))
+                                 {"step": step}, spec.get("storage_options"), spec.get("max_ckpt_num", 1))
         print(f"checkpoint {uri}", flush=True)
     shutil.rmtree(local / tag, ignore_errors=True)
+    dist.barrier()
+
+
+def save_hf(engine, spec: dict, method, rank: int, step: int) -> None:
+    """save_hf_ckpt (OpenRLHF's {ckpt_path}/{tag}_hf): the model at `step` as an HF folder, written as the final
+    model is (every rank gathers under ZeRO-3), uploaded by rank 0 to {hf_uri}/step-N/ (the stage records those
+    files in the artifact at its commit)."""
+    import torch.distributed as dist
+
+    from rlhf_core import store
+
+    local = Path(spec.get("local_dir") or spec["work_dir"]) / f"hf-step-{step}"
+    save_final(engine, spec, method, rank, {}, out=local)
+    if rank == 0:
+        fs, root = store.filesystem(spec["hf_uri"], spec.get("storage_options"))
+        for p in sorted(local.rglob("*")):
+            if p.is_file():
+                dest = store.join(root, f"step-{step}", p.relative_to(local).as_posix())
+                store.check_fence()
+                fs.makedirs(fs._parent(dest), exist_ok=True)
+                fs.put_file(str(p), dest)
+        print(f"hf checkpoint {spec['hf_uri']}/step-{step}", flush=True)
+        shutil.rmtree(local, ignore_errors=True)
     dist.barrier()
 
 
@@ -371,6 +395,7 @@ def main(spec_ref: str) -> None:
                  "wall_clock_breakdown": False}
     if tp > 1:  # DeepSpeed shards the linear layers when the engine is built (AutoTP training, deepspeed >= 0.16.4)
         ds_config["tensor_parallel"] = {"autotp_size": tp}
+    deepspeed_options(spec, ds_config)  # --overlap_comm, --deepcompile
     with memory.AnonPeak() as load_peak:  # this rank's memory during the load (a ZeRO-3 rank: its shard)
         model = load_model(spec, cuda, method, ds_config)
     load_memory: list = [None] * world
@@ -387,6 +412,7 @@ def main(spec_ref: str) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule.lr_factor(
         spec.get("lr_scheduler", "cosine_with_min_lr"), s, warm, total, spec["min_lr_ratio"]))
     engine = no_lone_allreduce(deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)[0])
+    compile_engine(engine, spec)
     pad_id = spec["pad_id"]
     if hasattr(method, "setup"):  # e.g. a frozen teacher the method's step forwards
         spec = {**spec, **method.setup(engine, spec)}
@@ -435,6 +461,8 @@ def main(spec_ref: str) -> None:
             _say(rank, f"eval step {step + 1}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
         if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
             save_checkpoint(engine, spec, step + 1, history, rank, world)
+            if spec.get("hf_uri"):  # save_hf_ckpt: the model now as an HF folder, kept in the artifact
+                save_hf(engine, spec, method, rank, step + 1)
     train_s = time.time() - t0
     if tracker:
         tracker.close()

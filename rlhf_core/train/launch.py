@@ -67,6 +67,10 @@ class TrainFields(BaseModel):
                                     "nodes run the torchrun command the stage logs, fetching everything from the store.")
     master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port (default: a free one).")
     save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
+    max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept on the store, the newest (OpenRLHF --max_ckpt_num, "
+                              "its default 3); all are removed once the model is committed.")
+    save_hf_ckpt: bool = Field(False, description="With each checkpoint (save_steps), the model as an HF folder in the "
+                               "artifact under hf_checkpoints/step-N/ (OpenRLHF --save_hf_ckpt), kept after the run.")
     resume: bool = Field(True, description="Continue from the latest checkpoint of the same job; false deletes checkpoints.")
     log_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
     debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a job).")
@@ -111,6 +115,11 @@ class TrainFields(BaseModel):
     aux_loss_coef: float = Field(0.0, ge=0, description="MoE load-balancing loss weight (OpenRLHF --model.aux_loss_coef): "
                                  "loss += coef x transformers' load_balancing_loss_func of the router logits; > 0 needs "
                                  "an MoE model; 0: the router trains only through the method's loss.")
+    overlap_comm: bool = Field(False, description="DeepSpeed overlaps gradient reduction with the backward "
+                               "(zero_optimization overlap_comm + contiguous_gradients, OpenRLHF --overlap_comm); false: "
+                               "DeepSpeed's default (on for ZeRO-3 only).")
+    deepcompile: bool = Field(False, description="DeepSpeed's DeepCompile (compile.deepcompile and engine.compile(), "
+                              "OpenRLHF --deepcompile); CUDA only in DeepSpeed 0.19.8: refused by name without CUDA.")
     use_liger_kernel: bool = Field(False, description="Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the "
                                    "model (OpenRLHF --ds.use_liger_kernel): CUDA only, the liger-kernel package (gpu extra).")
 
@@ -132,6 +141,8 @@ class TrainFields(BaseModel):
                 raise ValueError(f"{', '.join(given)} set but there is no eval data: set eval_dataset or eval_holdout")
         if self.eval_steps == 0:
             raise ValueError("eval_steps must be >= 1, or -1 / None for each epoch's end")
+        if self.save_hf_ckpt and not self.save_steps:
+            raise ValueError("save_hf_ckpt writes an HF folder with each checkpoint: save_steps is 0 (no checkpoint)")
         return self
 
     @model_validator(mode="after")
@@ -162,6 +173,7 @@ class SourceFields(BaseModel):
 
 
 TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
+                 "max_ckpt_num", "save_hf_ckpt", "overlap_comm", "deepcompile",
                  "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
                  "wandb_project", "wandb_run_name"}
 SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "max_len", "overlong", "eval_dataset",
@@ -180,6 +192,9 @@ def check_hardware(cfg) -> None:
     if cfg.load_in_4bit and not torch.cuda.is_available():
         raise ValueError("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none: set load_in_4bit=false")
     attention.check(cfg.attn_implementation)  # part A: an implementation this host can train with
+    if cfg.deepcompile and not torch.cuda.is_available():  # deepspeed.compile.util.is_deepcompile_supported
+        raise ValueError("deepcompile: DeepSpeed 0.19.8 compiles with DeepCompile on CUDA only (torch >= 2.6 on a cuda "
+                         "accelerator); this host has none: set deepcompile=false")
     if cfg.use_liger_kernel and not torch.cuda.is_available():  # Liger's kernels are Triton GPU kernels
         raise ValueError("use_liger_kernel needs a CUDA GPU (Liger's Triton kernels); this host has none: "
                          "set use_liger_kernel=false")
@@ -258,6 +273,8 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     else:
         result = _train(cfg, w, work, method, records, model_dir, tokenizer, extra_spec, model_uri, eval_records or [])
     tracked = [sub for sub in ("tensorboard", "wandb") if (work / "tracking" / sub).is_dir()]  # the job wrote them live
+    if cfg.save_hf_ckpt:  # the job's ranks uploaded them (a resumed job's earlier ones too): into the manifest
+        w.add_files(_listed(store.join(w.uri, "hf_checkpoints"), "hf_checkpoints", cfg.storage_options))
     for attempt in range(cfg.upload_retries + 1):
         try:
             w.upload_dir(work / "model")
@@ -279,6 +296,15 @@ def train_and_commit(cfg, w: store.ArtifactWriter, method: str, records: list[di
     checkpoints.remove_all(store.join(w.uri, "checkpoints"), cfg.storage_options)
     shutil.rmtree(work, ignore_errors=True)
     return m
+
+
+def _listed(uri: str, prefix: str, storage_options: dict | None) -> list[dict]:
+    """{"path": prefix/relative path, "size"} of every file under `uri` (none when it does not exist)."""
+    fs, root = store.filesystem(uri, storage_options)
+    if not fs.exists(root):
+        return []
+    return [{"path": f"{prefix}/{p[len(root.rstrip('/')) + 1:]}", "size": info["size"]}
+            for p, info in sorted(fs.find(root, detail=True).items())]
 
 
 def _finished(work: Path) -> dict | None:
@@ -307,8 +333,12 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
     if eval_records:  # ranks on other nodes fetch it as they fetch data.parquet (entry.job_spec)
         fs.put_file(str(work / "eval.parquet"), store.join(job_path, "eval.parquet"))
     ckpt_uri = store.join(w.uri, "checkpoints")
+    hf_uri = store.join(w.uri, "hf_checkpoints") if cfg.save_hf_ckpt else None
     if not cfg.resume:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
+        checkpoints.remove_all(store.join(w.uri, "hf_checkpoints"), cfg.storage_options)  # this job's own, if any
+    if hf_uri:
+        w.note({"hf_checkpoints"})  # journalled before the job writes them: a crash leaves files known as ours
     meta, resume_dir = checkpoints.resume_point(ckpt_uri, w.fingerprint, work / "resume", cfg.storage_options)
     spec = {**{k: getattr(cfg, k) for k in SPEC_KEYS}, **extra_spec, "method": method, "model_dir": str(model_dir),
             "data_path": str(work / "data.parquet"), "work_dir": str(work), "ckpt_uri": ckpt_uri,
@@ -319,7 +349,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
             "eval_path": str(work / "eval.parquet") if eval_records else None,
             "disable_dropout": method in DROPOUT_OFF if cfg.disable_dropout is None else cfg.disable_dropout,
             "eval_uri": store.join(job_uri, "eval.parquet") if eval_records else None,
-            "launch_cache": str(store.cache_root()), "fence": os.environ.get(store.FENCE_ENV),
+            "launch_cache": str(store.cache_root()), "fence": os.environ.get(store.FENCE_ENV), "hf_uri": hf_uri,
             "tracking": {"tensorboard": cfg.use_tensorboard, "wandb": cfg.use_wandb, "project": cfg.wandb_project,
                          "run_name": cfg.wandb_run_name or "/".join(w.uri.split("/")[-3:]), "config": cfg.semantic()}
             if cfg.use_tensorboard or cfg.use_wandb else None}

@@ -370,6 +370,7 @@ def test_reward_ranks_shard_the_pairs_and_the_driver_reassembles_them():
     (dict(vllm_num_engines=0, rollout_backend="vllm"), "vllm_num_engines 0 .* cannot be used with rollout_backend vllm"),
     (dict(save_hf_ckpt=True), "save_hf_ckpt writes an HF folder with each checkpoint: save_steps is 0"),
     (dict(reward_num_gpus_per_node=2), "2 reward-model ranks, but there is no reward_model_uri"),
+    (dict(deepcompile=True), "deepcompile: DeepSpeed 0.19.8 compiles with DeepCompile on CUDA only.*no CUDA device"),
     (dict(reward_func_path=None, reward_model_uri="rm", reward_num_nodes=2, reward_num_gpus_per_node=2,
           colocate_all_models=True, vllm_num_engines=1), "colocate_all_models: 4 reward-model ranks on 1 policy"),
     (dict(reward_func_path=None, agent_func_path="a.py", agent_executor_path="e.py"), "both run the episodes: set one"),

@@ -111,13 +111,15 @@ def test_sft_lora_packed_saves_adapter_and_merged_model(tiny, tmp_path):
 def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     """Kill the training child (launcher + rank) after its first checkpoint; the rerun resumes from it and
     ends at the same step count having seen every sample exactly once per epoch, with the same weights
-    (within float tolerance) as the same job run without interruption."""
+    (within float tolerance) as the same job run without interruption. With max_ckpt_num 2 the store keeps the two
+    newest checkpoints; save_hf_ckpt puts an HF folder per checkpoint in the artifact, the killed run's included
+    (issue 37: OpenRLHF's --max_ckpt_num / --save_hf_ckpt)."""
     import psutil
 
     data_uri = sft_data(s3_root, 64)
     out = f"{s3_root}/sft-resume"
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=data_uri, output_uri=out, save_steps=2,
-                     debug_step_sleep=0.4, max_epochs=2, use_tensorboard=True, **FAST)
+                     debug_step_sleep=0.4, max_epochs=2, use_tensorboard=True, max_ckpt_num=2, save_hf_ckpt=True, **FAST)
     fs, path = store.filesystem(out)
     killed, live = [], {}
 
@@ -125,7 +127,7 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
         deadline = time.time() + 300
         while time.time() < deadline and not fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"):
             time.sleep(0.2)
-        while time.time() < deadline and len(live.get("sft/loss", ())) < 2:  # TensorBoard events while the job runs
+        while time.time() < deadline and len(live.get("sft/loss", ())) < 7:  # TensorBoard events while the job runs
             live.update(tb_scalars(store.cache_root() / "jobs" / _fp(cfg) / "tracking"))
             time.sleep(0.2)
         for child in psutil.Process().children():  # the launcher we started, in its own session
@@ -140,7 +142,10 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     th.join()
     assert killed and not store.committed_any(out)
     meta = checkpoints.latest(f"{out}/checkpoints", _fp(cfg))
-    assert meta is not None and 0 < meta["step"] < 16
+    assert meta is not None and 6 <= meta["step"] < 16
+    kept = sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"))
+    assert kept == sorted([f"step-{meta['step'] - 2}", f"step-{meta['step']}"])  # max_ckpt_num 2: the newest two
+    assert fs.exists(f"{path}/hf_checkpoints/step-2/model.safetensors")
     assert [s for s, _ in live["sft/loss"]][:2] == [1, 2], live  # written live, one event per step
     m = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))  # runtime field: same fingerprint
     assert m.metrics["resumed_from_step"] == meta["step"] > 0
@@ -154,6 +159,13 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     for epoch in (log[:8], log[8:]):
         assert sorted(i for h in epoch for i in h["samples"]) == list(range(64))
     assert not fs.exists(f"{path}/checkpoints")
+    hf = sorted({f["path"].split("/")[1] for f in m.files if f["path"].startswith("hf_checkpoints/")})
+    assert hf == sorted(f"step-{s}" for s in range(2, 16, 2))  # before and after the kill; none at the last step
+    fs.get(f"{path}/hf_checkpoints/step-2", str(tmp_path / "hf2"), recursive=True)
+    from transformers import AutoModelForCausalLM
+
+    assert weights(tmp_path / "hf2").keys() == weights(model_inputs.fetch_model(out)).keys()
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2")) is not None
     # the same job uninterrupted (another output_uri: same seed and data) ends with the same weights
     straight = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0, "output_uri": f"{s3_root}/sft-straight"}))
     assert straight.metrics["resumed_from_step"] == 0
@@ -186,6 +198,12 @@ def test_bad_config_and_input_refused_before_work(tiny, tmp_path):
     with pytest.raises(data.DataError, match=r"sft-data-8-0 row 0: \d+ tokens exceed max_len 6"):
         sft.run(cfg)
     assert not store.committed_any(out)
+    with pytest.raises(ValidationError, match="save_hf_ckpt writes an HF folder with each checkpoint: save_steps is 0"):
+        sft.Config(policy_uri=tiny.policy_uri, dataset_uri=uri, output_uri=out, save_hf_ckpt=True, **FAST)
+    if not torch.cuda.is_available():  # OpenRLHF's --deepcompile: DeepSpeed 0.19.8 runs it on CUDA only
+        with pytest.raises(ValueError, match="deepcompile: DeepSpeed 0.19.8 compiles with DeepCompile on CUDA only"):
+            sft.run(cfg.model_copy(update={"deepcompile": True, "overlong": "truncate"}))
+        assert not store.committed_any(out)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="load_in_4bit .* needs a CUDA GPU"):
             sft.run(cfg.model_copy(update={"load_in_4bit": True, "overlong": "truncate"}))

@@ -47,7 +47,8 @@ STAGE = dict(seed=42, bf16=True, gradient_checkpointing=False, actor_learning_ra
              adam_offload=False, value_head_prefix="score", pretrain_data=None, ptx_coef=0.05, weight_sync_bucket_mb=256,
              kl_loss_agg="token", loss_agg_empty_rows="drop",  # issue 37: OpenRLHF's KL-loss token mean
              attn_implementation="sdpa", shared_prompt=False,  # one row per sample (written before shared prompts)
-             lr_scheduler="cosine_with_min_lr", tokenizer_chat_template=None)
+             lr_scheduler="cosine_with_min_lr", tokenizer_chat_template=None, overlap_comm=False,
+             deepcompile=False)
 
 
 def hp(**over) -> dict:

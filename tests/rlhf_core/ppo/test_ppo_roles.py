@@ -162,6 +162,27 @@ def test_lr_scheduler_is_transformers_schedule_of_that_name(tiny, learner_env, t
     assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template == hp["tokenizer_chat_template"]
 
 
+def test_overlap_comm_reaches_deepspeed_and_deepcompile_is_passed_as_openrlhf_writes_it(tiny, learner_env):
+    """issue 37: OpenRLHF's --overlap_comm sets zero_optimization overlap_comm + contiguous_gradients (its
+    get_train_ds_config), here for the learners and the trainers alike (rlhf_core.train.deepspeed_options): a ZeRO-2
+    learner's DeepSpeed engine overlaps and trains a step; --deepcompile writes compile.deepcompile (CUDA only in
+    DeepSpeed 0.19.8: the stage refuses it by name on CPU, test_bad_config_is_refused_by_name)."""
+    from rlhf_core.train import deepspeed_options
+
+    base = {"zero_optimization": {"stage": 2}}
+    assert deepspeed_options({}, {"zero_optimization": {"stage": 2}}) == base  # unset: DeepSpeed's default
+    assert deepspeed_options({"overlap_comm": True, "deepcompile": True}, {"zero_optimization": {"stage": 2}}) == {
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+        "compile": {"deepcompile": True}}
+    learner = make_learner("policy", tiny.policy_dir, settings(zero_stage=2, overlap_comm=True))
+    assert learner.engine.zero_overlap_comm() is True and learner.engine.zero_contiguous_gradients() is True
+    before = learner._full_state_dict()
+    learner.train(experience(tiny.policy_dir), 0.0)  # a step with the overlapped reduction
+    assert any(not torch.equal(before[k], v) for k, v in learner._full_state_dict().items())
+    plain = make_learner("policy", tiny.policy_dir, settings(zero_stage=2))
+    assert plain.engine.zero_overlap_comm() is False  # DeepSpeed's own default for ZeRO-2
+
+
 def test_reference_and_hf_rollout_move_their_inputs(tiny):
     hp = settings(temperature=0.7, bf16=False)
     ref = Reference(str(tiny.policy_dir), hp)
