@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from flows import calls, promotion, table
+from flows import calls, lock, promotion, table
 from flows.calls import call, settings, stage, stage_config
 from flows.credentials import use_credentials
 from flows.report import Report, training_columns
@@ -117,7 +117,7 @@ class LoopParams(BaseModel):
     stage's Config fields (URIs excepted); they are validated against the stage configs before any work."""
 
     model_config = ConfigDict(extra="forbid")
-    root: str = Field("runs", description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
+    root: str = Field(lock.DEFAULT_ROOT, description="Artifact root: a folder, file://, s3://bucket/prefix, gs://...")
     run_name: str = Field("demo", pattern=r"^([A-Za-z0-9._-]|\{scheduled\})+$", description="Run folder under root; rerun = "
                           "resume. `{scheduled}` is replaced by the flow run's scheduled start (e.g. nightly-{scheduled} "
                           "-> nightly-2026-11-27T0300Z): one folder per scheduled run, the same for its retries.")

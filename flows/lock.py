@@ -15,6 +15,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from flows.calls import run_logger
+
+DEFAULT_ROOT = "runs"  # LoopParams.root's default (flows/common.py reads it from here)
 from rlhf_core.store import locks
 from rlhf_core import store
 from rlhf_core.store.locks import LockHeld, LockLost  # noqa: F401  (what a flow run may raise)
@@ -62,9 +64,7 @@ def crash_dead_attempts(run_name: str, root: str) -> None:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    from flows.common import LoopParams
-
-    log, me, default_root = run_logger(), ctx.flow_run.id, LoopParams.model_fields["root"].default
+    log, me = run_logger(), ctx.flow_run.id
     with get_client(sync_client=True) as client:
         running = client.read_task_runs(task_run_filter=TaskRunFilter(
             tags=TaskRunFilterTags(all_=[f"run:{run_name}"]),
@@ -74,7 +74,7 @@ def crash_dead_attempts(run_name: str, root: str) -> None:
             if tr.flow_run_id not in flow_runs:
                 flow_runs[tr.flow_run_id] = client.read_flow_run(tr.flow_run_id)
             p = flow_runs[tr.flow_run_id].parameters.get("params") or {}  # a deployment run's: merged (common.run_params)
-            if str(p.get("root", default_root)).rstrip("/") != str(root).rstrip("/"):
+            if str(p.get("root", DEFAULT_ROOT)).rstrip("/") != str(root).rstrip("/"):
                 continue  # the same run name under another root
             why = f"its attempt died (flow run {tr.flow_run_id} lost its process); run {run_name} is held by this attempt now"
             client.set_task_run_state(tr.id, Crashed(message=why), force=True)
