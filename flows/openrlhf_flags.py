@@ -32,6 +32,16 @@ class Fixed(No):
         return rule
 
 
+class SplitOf(No):
+    """OpenRLHF's --dataset_split / --prompt_split X: the split of the sources `source` (a flag) names, written
+    here as `@X` after each of them (rlhf_core.inputs.data.source_split); train, the default, holds as it is."""
+
+    def __new__(cls, source: str):
+        rule = super().__new__(cls, f"the split of --{source}'s sources: each written as SOURCE@SPLIT")
+        rule.source = source
+        return rule
+
+
 # ---------------------------------------------------------------------------------------------- converters
 def steps(v):  # OpenRLHF -1 = never; here 0
     return 0 if int(v) < 0 else int(v)
@@ -80,8 +90,10 @@ def rule(spec) -> Any:
         return spec["key"], CONVERTERS[spec["as"]]
     if set(spec) == {"fixed", "why"}:
         return Fixed(spec["fixed"], spec["why"])
-    raise ValueError(f"flows/openrlhf_flags.yaml: a rule is KEY, [KEYS], {{not_here}}, {{fixed, why}}, {{as}}, "
-                     f"{{key, as}} or {{key, value}}: {spec!r}")
+    if set(spec) == {"split_of"}:
+        return SplitOf(spec["split_of"])
+    raise ValueError(f"flows/openrlhf_flags.yaml: a rule is KEY, [KEYS], {{not_here}}, {{fixed, why}}, {{split_of}}, "
+                     f"{{as}}, {{key, as}} or {{key, value}}: {spec!r}")
 
 
 def table(name: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from flows.openrlhf_flags import (DEFAULTS, DOTTED, FLAGS, LAUNCHER, SERVE_RM, SERVE_RM_DEFAULTS, STAGES, VLM_FLAGS,  # noqa: F401
-                                  Fixed, No, NoCounterpart, defaults, flat_name, unknown_flag, version_of)
+                                  Fixed, No, NoCounterpart, SplitOf, defaults, flat_name, unknown_flag, version_of)
 from flows.openrlhf_shell import Command, find_commands, unread_sources  # noqa: F401 (the importer's API)
 
 
@@ -120,6 +120,8 @@ def convert(cmd: Command, generated: set[str] = frozenset()) -> Converted:
     out = Converted(cmd.module, cmd.dialect, {s: {} for s in sections}, {}, cmd.line, version_of(cmd.module, dotted))
     fields = {s: config_class(s).model_fields for s in sections}
     given: dict[str, Any] = {}
+    placed: dict[str, list[tuple[str, str]]] = {}  # flag -> the (section, key) it set
+    splits: list[tuple[str, str, Any, str]] = []  # (shown, flag, value, source flag) of --dataset_split & co.
     written = {flat_name(f) for f, _ in cmd.flags}
     assumed = defaults(cmd.module, dotted, written)
     for table, flags, default in ((LAUNCHER, cmd.launcher, False), (FLAGS[table_name], cmd.flags, False),
@@ -130,6 +132,10 @@ def convert(cmd: Command, generated: set[str] = frozenset()) -> Converted:
             shown = f"--{flag}" + ("" if value is True else f" {' '.join(map(str, value)) if isinstance(value, list) else value}")
             if default:
                 shown = f"(OpenRLHF {out.version}'s default {shown!r})"
+            if isinstance(rule, SplitOf):
+                if not default:
+                    splits.append((shown, name, value, rule.source))
+                continue
             if rule is None or (isinstance(rule, No) and not isinstance(rule, Fixed)):
                 if not default:  # a default without a counterpart changes nothing the user wrote
                     why = rule or (table is not LAUNCHER and unknown_flag(cmd.module, name)) or "no counterpart"
@@ -161,10 +167,34 @@ def convert(cmd: Command, generated: set[str] = frozenset()) -> Converted:
                 if default and not info.is_required() and v == info.get_default(call_default_factory=True):
                     continue  # the stage's default already
                 given[name] = value
+                placed.setdefault(name, []).append((section, key))
                 out.sections[section][key] = v
                 out.comments[(section, key)] = shown
+    for shown, name, value, source in splits:
+        name_split(out, shown, str(value), source, placed.get(source, []))
     wire(cmd, out, given)
     return out
+
+
+def name_split(out: Converted, shown: str, split: str, source: str, where: list[tuple[str, str]]) -> None:
+    """--dataset_split X (--prompt_split, --train_split): each source of --{source} read at split X, written as
+    SOURCE@X (train, OpenRLHF's default and the stages', holds as it is). A source that names its own `@...` (a
+    hub dataset's folder or subset) cannot take a second one: listed."""
+    if split == "train":
+        out.holds.append(f"{shown}: the stages read the train split of a source that has splits")
+        return
+    if not where:
+        out.unsupported.append(f"{shown}: no --{source} to read split {split} of")
+        return
+    for section, key in where:
+        sources = [u.strip() for u in str(out.sections[section][key]).split(",")]
+        own = [u for u in sources if "@" in u.rsplit("/", 1)[-1]]
+        if own:
+            out.unsupported.append(f"{shown}: {', '.join(own)} already name(s) a folder, subset or split with @ (the "
+                                   f"stages take one per source): give {split} there instead")
+            return
+        out.sections[section][key] = ",".join(f"{u}@{split}" for u in sources)
+        out.comments[(section, key)] += f" {shown}"
 
 
 def targets(rule, value, main: str, flag: str) -> list[tuple[str, str, Any]]:
@@ -272,11 +302,6 @@ def ppo_rules(out: Converted, given: dict) -> None:
     engines = p.get("vllm_num_engines", config_class("ppo").model_fields["vllm_num_engines"].default) > 0
     put(out, "ppo", "rollout_backend", "vllm" if engines else "hf",
         "(--vllm_num_engines > 0: vLLM engines)" if engines else "(no vLLM engines: generate on the actor)")
-    if p.get("vllm_tensor_parallel_size", 1) > 1:
-        # TP > 1 engines take their weights through the object store here (stages/ppo.py refuses the collective
-        # group for them: it reaches the engine actor, not vLLM's TP workers)
-        put(out, "ppo", "weight_sync_backend", "object_store",
-            " ".join(filter(None, [c.get(("ppo", "weight_sync_backend")), "(TP > 1 engines: object_store here)"])))
     if "max_len" in given:  # OpenRLHF caps prompt + response at max_len (vLLM's max_model_len)
         max_len = int(given["max_len"])
         if "max_new_tokens" in given and max_len > int(given["max_new_tokens"]):

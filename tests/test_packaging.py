@@ -86,7 +86,8 @@ def test_every_shipped_config_is_a_valid_flow_or_stage_config():
 
     flows = {"demo.yaml": "iterative_dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional_sft",
              "iterative_dpo_llama3_8b.yaml": "iterative_dpo", "raft_llama3_8b.yaml": "raft", "demo_ppo.yaml": "ppo",
-             "ppo_llama3_8b.yaml": "ppo", "reinforce_baseline_llama3_8b_hybrid.yaml": "ppo"}
+             "ppo_llama3_8b.yaml": "ppo", "reinforce_baseline_llama3_8b_hybrid.yaml": "ppo",
+             "prorl_v2_math_hybrid.yaml": "ppo"}
     stages = {"ppo_demo.yaml": "ppo", "ppo_agent_demo.yaml": "ppo"}  # one stage's keys; the URIs come on the command line
     assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(flows) | set(stages)
     for name, module in flows.items():

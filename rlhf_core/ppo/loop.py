@@ -218,7 +218,7 @@ def rollout(cfg, roles: Roles, prompts: list[dict], prompt_ids: list[list[int]],
     batch = collate([e.prompt_ids for e in eps], [e.ids for e in eps], pad_id, [e.action_mask for e in eps],
                     [e.logprobs for e in eps])
     return {"batch": batch, "raw": raw, "scores": scores, "prompt_indices": [g[0] for g in groups],
-            "metrics": extra, "rollout_s": t_gen}
+            "truncated": [e.finish_reason == "length" for e in eps], "metrics": extra, "rollout_s": t_gen}
 
 
 def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
@@ -317,8 +317,14 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             roles.phase("generate")
             exp0, t_rollout = feed.get(step, idx)
             batch, raw, extra, idx = exp0["batch"], exp0["raw"], exp0["metrics"], exp0["prompt_indices"]
-            # 2. normalisation
+            # 2. length penalties (OpenRLHF's, before any baseline), normalisation
             scores = torch.tensor(raw, dtype=torch.float32)
+            if cfg.overlong_buffer_len is not None or cfg.stop_properly_penalty_coef is not None:
+                truncated = torch.tensor(exp0.get("truncated", [False] * len(raw)))
+                scores, n_over, n_stop = rl_math.length_penalties(
+                    scores, batch["mask"].sum(-1), truncated, cfg.generate_max_len, cfg.overlong_buffer_len,
+                    cfg.overlong_penalty_factor, cfg.stop_properly_penalty_coef)
+                extra = {**extra, "overlong_penalized": n_over, "truncated_penalized": n_stop}
             if cfg.running_reward_norm:
                 moments.update(scores)
                 scores = moments.normalize(scores)

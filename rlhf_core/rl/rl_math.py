@@ -80,6 +80,37 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     return -kl_coef * kl * m + last.float() * scores.float().unsqueeze(-1)
 
 
+def length_penalties(rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, max_new_tokens: int,
+                     overlong_buffer_len: float | None = None, overlong_penalty_factor: float = 1.0,
+                     stop_properly_penalty_coef: float | None = None) -> tuple[torch.Tensor, int, int]:
+    """OpenRLHF's length penalties on the sequence rewards, before any baseline (its ppo_utils/length_penalty.py):
+      overlong (DAPO, arXiv:2503.14476 sec. 3.4): a response longer than max_new_tokens - buffer gets
+        -min(length - (max_new_tokens - buffer), buffer) / buffer * factor added;
+      stop properly (ProRL v2): a truncated response (the generation hit its length cap) gets its reward times
+        coef (0 <= coef <= 1), or exactly coef when coef < 0.
+    rewards, lengths (response tokens) # (B,), truncated # (B,) bool -> (rewards, penalized by overlong, by stop).
+    e.g. rewards [1, 1, 1], lengths [4, 7, 10], max_new 10, buffer 4, factor 1: expected 6; exceed [-2, 1, 4] ->
+    [1, 1 - 0.25, 1 - 1] = [1, 0.75, 0]; then stop properly 0.5 with truncated [F, F, T]: [1, 0.75, 0];
+    coef -0.5: [1, 0.75, -0.5]."""
+    r = rewards.float().clone()
+    over = stopped = 0
+    if overlong_buffer_len is not None:
+        if not 0 < overlong_buffer_len <= max_new_tokens:
+            raise ValueError(f"overlong_buffer_len {overlong_buffer_len} must be in (0, max_new_tokens {max_new_tokens}]")
+        exceed = torch.clamp(lengths.float() - (max_new_tokens - overlong_buffer_len), max=overlong_buffer_len)
+        hit = exceed > 0
+        r = torch.where(hit, r - exceed / overlong_buffer_len * overlong_penalty_factor, r)
+        over = int(hit.sum())
+    if stop_properly_penalty_coef is not None:
+        if stop_properly_penalty_coef > 1:
+            raise ValueError(f"stop_properly_penalty_coef must be in [0, 1] or negative, got {stop_properly_penalty_coef}")
+        t = truncated.bool()
+        r = torch.where(t, torch.full_like(r, stop_properly_penalty_coef) if stop_properly_penalty_coef < 0
+                        else r * stop_properly_penalty_coef, r)
+        stopped = int(t.sum())
+    return r, over, stopped
+
+
 # ---------------------------------------------------------------------------------------------- advantages
 def shape_scores(scores: torch.Tensor, n: int, estimator: str, eps: float = 1e-9) -> torch.Tensor:
     """Per-sequence score after the estimator's group baseline. scores # (B,) grouped by prompt, B = k * n

@@ -152,8 +152,8 @@ def test_keys_values_and_comments_spot_checked():
     ppo, p = imported("v0.9.10/train_ppo_ray_hybrid_engine.sh")
     q = p["ppo"]
     assert (q["rollout_backend"], q["weight_sync_backend"], q["vllm_num_engines"], q["actor_learning_rate"]) == \
-        ("vllm", "object_store", 4, 5e-7)  # --vllm_sync_backend nccl with TP 2 engines: the stage's TP path
-    assert "--vllm_sync_backend nccl (TP > 1 engines: object_store here)" in ppo
+        ("vllm", "collective", 4, 5e-7)  # --vllm_sync_backend nccl with TP 2 engines: vLLM's weight-transfer engine
+    assert "object_store" not in ppo
     assert (q["prompt_max_len"], q["generate_max_len"]) == (1024, 1024) and "--max_len 2048 minus prompt_max_len" in ppo
     assert "prompt_max_len 1024 + generate_max_len 1024 split it (a longer prompt keeps its last 1024 tokens" in ppo
     assert "reward_clip_range" not in q and "reward_clip_range" not in ppo  # the stage's default is OpenRLHF's (-10, 10)
@@ -231,11 +231,11 @@ def test_the_issue_37_reasons_and_mappings():
             "--lr_scheduler cosine_with_min_lr --max_ckpt_num 3")
     q = yaml.safe_load(t)["ppo"]
     assert (q["use_icepop"], q["enable_vllm_is_correction"], q["max_ckpt_num"]) == (True, True, 3)
-    assert "--logging_steps 1: the ppo stage logs every step" in t  # was: table error: ppo.log_steps is not a field
-    assert "--lr_scheduler cosine_with_min_lr: the ppo stage's schedule: linear warm-up, then cosine" in t
+    assert (q["lr_scheduler"], q["log_steps"]) == ("cosine_with_min_lr", 1)  # was: a table error (log_steps)
     t = ppo("--reward_pretrain ./rm --vllm_is_correction_type seq-mask-tis --lr_scheduler constant --logging_steps 5")
     assert "--vllm_is_correction_type seq-mask-tis: seq-mask-tis: TIS (clamp) and ICEPOP" in t
-    assert "--lr_scheduler constant: no counterpart: the ppo stage's schedule" in t and "--logging_steps 5: no counterpart" in t
+    q = yaml.safe_load(t)["ppo"]
+    assert (q["lr_scheduler"], q["log_steps"]) == ("constant", 5)  # issue 37: the ppo stage's own settings now
     # gae with a reward function: OpenRLHF's critic starts from the actor; --normalize_reward is a no-op there
     t = ppo("--remote_rm_url http://rm:5000/get_reward --normalize_reward")
     q = yaml.safe_load(t)["ppo"]
@@ -435,6 +435,7 @@ def test_imported_ppo_command_runs_scaled_down(tiny, tmp_path):
     cfg = load_config(ppo.Config, out, [f"policy_uri={tiny.policy_uri}", f"reward_model_uri={tiny.reward_uri}",
                                         "prompts_uri=prompts.jsonl", f"output_uri={tmp_path / 'out'}", "rollout_backend=hf",
                                         "actor_num_gpus_per_node=1", "critic_num_gpus_per_node=1", "ref_num_gpus_per_node=1",
+                                        "reward_num_gpus_per_node=1",
                                         "rollout_batch_size=4", "train_batch_size=8", "micro_train_batch_size=2",
                                         "micro_rollout_batch_size=2", "max_samples=4", "bf16=false", "n_samples_per_prompt=2",
                                         "generate_max_len=8", "prompt_max_len=32", "num_episodes=1"], section="ppo")
@@ -472,3 +473,57 @@ def test_the_defaults_page_lists_every_default_that_still_differs_from_openrlhfs
     assert not any(r["flag"] in ("reward_clip_range", "eps_clip", "init_kl_coef") for r in rows.values())
     page = gen.on_page_markdown((ROOT / "docs" / "openrlhf-defaults.md").read_text(), None, None, None)
     assert "| train_kto | `--beta` | `0.01` (v0.9.5) | `kto.beta` | `0.1` |" in page and "<!--" not in page
+
+
+def test_the_shipped_prorl_v2_config_is_the_imported_script():
+    """configs/prorl_v2_math_hybrid.yaml mirrors OpenRLHF's train_prorlv2_math_hybrid_engine.sh key by key: its ppo
+    settings (and the prepare keys the flow reads the prompts with) are what `import-openrlhf` makes of the v0.9.10
+    script, the stop-properly penalty included; only what the flow wires in (policy, prompts, reward, output) and
+    the placeholders the script sets from ${WORK_DIR} differ."""
+    _, d = imported("v0.9.10/train_prorlv2_math_hybrid_engine.sh")
+    shipped = yaml.safe_load((ROOT / "configs" / "prorl_v2_math_hybrid.yaml").read_text())
+    wired = {"policy_uri", "prompts_uri", "reward_func_path", "output_uri"}
+    moved = {"input_key", "label_key", "apply_chat_template"}  # the flow's prepare section reads the prompts
+    got = {k: v for k, v in d["ppo"].items() if k not in wired | moved}
+    assert got == shipped["ppo"]
+    assert {k: d["ppo"][k] for k in moved} == shipped["prepare"]
+    assert (shipped["pretrain_uri"], shipped["prompt_data"]) == (d["ppo"]["policy_uri"], d["ppo"]["prompts_uri"])
+    assert shipped["ppo"]["stop_properly_penalty_coef"] == 0.0
+
+
+def test_issue_37_flags_map_to_the_new_settings():
+    """The flags the importer listed as 'no counterpart' before the settings existed: ppo's --lr_scheduler,
+    --use_wandb / --use_tensorboard / --wandb_project / --wandb_run_name, --tokenizer_chat_template, --logging_steps,
+    --reward_num_nodes / --reward_num_gpus_per_node, --flash_attn, the length penalties; the trainers'
+    --save_hf_ckpt / --max_ckpt_num / --overlap_comm / --deepcompile; and --dataset_split / --prompt_split X
+    written as SOURCE@X (train holds; a source that names its own @ is listed)."""
+    t = imp.import_text("python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --prompt_data org/prompts,./more.jsonl "
+                        "--reward_pretrain ./rm --vllm_num_engines 1 --lr_scheduler linear --use_wandb KEY "
+                        "--wandb_project proj --wandb_run_name run1 --use_tensorboard ./tb --logging_steps 2 "
+                        "--tokenizer_chat_template '{{ messages }}' --reward_num_nodes 1 --reward_num_gpus_per_node 2 "
+                        "--flash_attn --overlong_buffer_len 128 --overlong_penalty_factor 0.5 "
+                        "--stop_properly_penalty_coef 0.0 --overlap_comm --prompt_split test", "ppo.sh")
+    q = yaml.safe_load(t)["ppo"]
+    assert {k: q[k] for k in ("lr_scheduler", "use_wandb", "wandb_project", "wandb_run_name", "use_tensorboard",
+                              "log_steps", "tokenizer_chat_template", "reward_num_nodes", "reward_num_gpus_per_node",
+                              "attn_implementation", "overlong_buffer_len", "overlong_penalty_factor",
+                              "stop_properly_penalty_coef", "overlap_comm", "prompts_uri")} == dict(
+        lr_scheduler="linear", use_wandb=True, wandb_project="proj", wandb_run_name="run1", use_tensorboard=True,
+        log_steps=2, tokenizer_chat_template="{{ messages }}", reward_num_nodes=1, reward_num_gpus_per_node=2,
+        attn_implementation="flash_attention_2", overlong_buffer_len=128.0, overlong_penalty_factor=0.5,
+        stop_properly_penalty_coef=0.0, overlap_comm=True, prompts_uri="org/prompts@test,./more.jsonl@test")
+    assert re.search(r"^  prompts_uri: .* # --prompt_data org/prompts,./more.jsonl --prompt_split test$", t, re.M)
+    assert "no counterpart" not in t
+    s = yaml.safe_load(imp.import_text("deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset org/d "
+                                       "--save_steps 10 --save_hf_ckpt --max_ckpt_num 2 --overlap_comm --deepcompile "
+                                       "--dataset_split validation"))["sft"]
+    assert (s["save_hf_ckpt"], s["max_ckpt_num"], s["overlap_comm"], s["deepcompile"], s["dataset_uri"]) == \
+        (True, 2, True, True, "org/d@validation")
+    t = imp.import_text("deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset org/d --dataset_split train")
+    assert yaml.safe_load(t)["sft"]["dataset_uri"] == "org/d" and "--dataset_split train: the stages read the train" in t
+    t = imp.import_text("deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset org/d@sub --dataset_split dev")
+    assert yaml.safe_load(t)["sft"]["dataset_uri"] == "org/d@sub" and "org/d@sub already name(s) a folder" in t
+    d = yaml.safe_load(imp.import_text("deepspeed --module openrlhf.cli.train_dpo --pretrain ./b --dataset org/pairs "
+                                       "--dataset_split test_prefs"))
+    assert d["prepare"]["data"] == "org/pairs@test_prefs"
+

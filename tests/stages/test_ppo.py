@@ -187,10 +187,12 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
                         "reward_func_path": None}, reward_model_uri=tiny.reward_uri, reward_num_gpus_per_node=2,
                      advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=1, zero_stage=3,
                      actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, actor_learning_rate=1e-4,
-                     init_kl_coef=0.01, save_value_network=True, enable_vllm_is_correction=True, use_icepop=True)
+                     init_kl_coef=0.01, save_value_network=True, enable_vllm_is_correction=True, use_icepop=True,
+                     overlong_buffer_len=4, stop_properly_penalty_coef=0.5)  # OpenRLHF's length penalties (issue 37)
     m = ppo.run(cfg)
     log = json.loads((tmp_path / "z3" / "training_log.json").read_text())
     assert m.metrics["steps_done"] == 2 and all(h["rollout_logprob_gap"] < 1e-3 for h in log)
+    assert all(0 <= h["truncated_penalized"] <= h["overlong_penalized"] <= 32 for h in log)  # a cut sample is overlong
     # the rollout log-probs reached the learners' ranks: the ICEPOP weights are the ratio, ~1, none masked
     assert all(abs(h["is_weight"] - 1) < 1e-2 and h["is_masked"] == 0 for h in log)
     assert changed_fraction(warm.policy_dir, tmp_path / "z3") > 0.9

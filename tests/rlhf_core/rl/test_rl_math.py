@@ -362,3 +362,22 @@ def test_openrlhf_reward_clip_bounds_a_reward_model_score():
     assert ret.flatten().tolist() == pytest.approx([10.0, -4.0, 2.0])
     _, ret = rm.advantages_and_returns("reinforce", t(30.0, -4.0, 2.0), mask, 1, torch.zeros(3, 1), 0.0)
     assert ret.flatten().tolist() == pytest.approx([30.0, -4.0, 2.0])
+
+
+def test_length_penalties_overlong_and_stop_properly():
+    """OpenRLHF's ppo_utils/length_penalty.py. rewards [1, 1, 1], lengths [4, 7, 10], max_new 10, buffer 4, factor 1:
+    the penalty starts past 10 - 4 = 6 tokens; excess [-2, 1, 4] -> [1, 1 - 1/4, 1 - 4/4] = [1, 0.75, 0] (2 penalized).
+    Stop properly on truncated [F, T, T]: coef 0.5 -> [1, 0.375, 0]; coef 0 (ProRL v2's) -> [1, 0, 0];
+    coef -0.5 -> [1, -0.5, -0.5]. A buffer past max_new_tokens and a coef above 1 are refused."""
+    r, n = t(1.0, 1.0, 1.0), torch.tensor([4, 7, 10])
+    trunc = torch.tensor([False, True, True])
+    out, over, stop = rm.length_penalties(r, n, trunc, 10, overlong_buffer_len=4)
+    assert out.tolist() == pytest.approx([1.0, 0.75, 0.0]) and (over, stop) == (2, 0)
+    out, _, stop = rm.length_penalties(r, n, trunc, 10, overlong_buffer_len=4, stop_properly_penalty_coef=0.5)
+    assert out.tolist() == pytest.approx([1.0, 0.375, 0.0]) and stop == 2
+    assert rm.length_penalties(r, n, trunc, 10, stop_properly_penalty_coef=0.0)[0].tolist() == [1.0, 0.0, 0.0]
+    assert rm.length_penalties(r, n, trunc, 10, stop_properly_penalty_coef=-0.5)[0].tolist() == [1.0, -0.5, -0.5]
+    with pytest.raises(ValueError, match="overlong_buffer_len 12"):
+        rm.length_penalties(r, n, trunc, 10, overlong_buffer_len=12)
+    with pytest.raises(ValueError, match="stop_properly_penalty_coef must be in"):
+        rm.length_penalties(r, n, trunc, 10, stop_properly_penalty_coef=1.5)
