@@ -5,7 +5,9 @@ The policy writes a review ("Review of the movie: ..."). The environment scores 
 is the request again ("Review of the movie: "), so the policy gets another try with its rejected review in
 context. The episode ends when a review is accepted or after MAX_TRIES reviews; its reward is the last review's
 gold reward minus RETRY_COST per retry, so the policy learns to write a positive review, sooner rather than later.
-The steps before the last reward 0: an episode's reward is the sum of its steps' (OpenRLHF's MultiTurnAgentExecutor).
+Each step rewards the change of that value (this try's minus the previous try's): an episode's reward is the sum of
+its steps' rewards (OpenRLHF's MultiTurnAgentExecutor), so it is the last review's value, also for an episode the
+token budget ends before a review is accepted.
 
 extra_logs: first_reward (the first review's gold reward), tries, accepted.
 Written for OpenRLHF: only the import line differs (`from openrlhf.utils.agent import ...`); AgentExecutor runs
@@ -25,6 +27,7 @@ class AgentInstance(AgentInstanceBase):
     def __init__(self, *args, **kwargs):
         self.tries = 0
         self.first = None
+        self.value = 0.0  # the last review's value so far (the sum of the rewards given)
         self.request = ""
 
     async def reset(self, states, **kwargs):
@@ -39,8 +42,9 @@ class AgentInstance(AgentInstanceBase):
             self.first = score
         accepted = score >= ACCEPT
         done = accepted or self.tries >= MAX_TRIES
-        reward = score - RETRY_COST * (self.tries - 1) if done else 0.0
-        return {"rewards": reward, "scores": reward,
+        value = score - RETRY_COST * (self.tries - 1)
+        reward, self.value = value - self.value, value  # the steps' rewards sum to the last review's value
+        return {"rewards": reward, "scores": value,
                 "environment_feedback": "" if done else f" {self.request} ",
                 "done": done, "sampling_params": states.get("sampling_params"),
                 "extra_logs": {"first_reward": self.first, "tries": self.tries, "accepted": float(accepted)}}
