@@ -103,19 +103,30 @@ def _shared_pays(batch: dict, groups: list[list[int]], model, packing: bool) -> 
     return shared < without
 
 
+def _on_host(batch: dict, host: dict | None) -> dict:
+    """The layout's inputs (ids, attn, mask) on the CPU: `host` (the caller's CPU copy), else one copy of each from the
+    device; read there row by row, so a GPU waits once per tensor rather than once per row (a host sync each)."""
+    if host is not None or batch["ids"].device.type in ("cpu", "meta"):
+        return batch if host is None else host
+    return {k: batch[k].cpu() for k in ("ids", "attn", "mask") if k in batch}
+
+
 def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entropy: str | None = None,
-                  packing: bool = False, shared: bool = False):
+                  packing: bool = False, shared: bool = False, host: dict | None = None):
     """(log-probs of the tempered policy (kind "policy") or values ("critic") # (B, L - 1), entropy or None,
     tokens forwarded). With `packing` (OpenRLHF's --packing_samples) the rows go through the model as one
     packed row (no padding forwarded); with `shared` (shared_prompt) the rows of one prompt go as one row with
     the prompt once and a branch per sample (batches.collate_groups; where no two rows share a prompt, or under
     flash_attention_2, whose varlen kernel has no shared prefix: padded or packed as without it). The mask comes from rlhf_core.train.attention (flex / flash where the
-    model uses them, else a dense mask, logged once); the outputs come back in the padded (B, L - 1) layout."""
+    model uses them, else a dense mask, logged once); the outputs come back in the padded (B, L - 1) layout.
+    `host`: the same batch on the CPU, where the layout is worked out (_on_host)."""
     # shared: where rows share a prompt (a meta tensor, in the device tests, has no tokens to compare)
-    groups = prompt_groups(batch) if shared and batch["ids"].device.type != "meta" else None
+    on_meta = batch["ids"].device.type == "meta"
+    hb = _on_host(batch, host) if (shared or packing) and not on_meta else batch
+    groups = prompt_groups(hb) if shared and not on_meta else None
     if groups is None or all(len(g) == 1 for g in groups) or model.config._attn_implementation.startswith("flash"):
         groups = None
-    elif model.config._attn_implementation != "flex_attention" and not _shared_pays(batch, groups, model, packing):
+    elif model.config._attn_implementation != "flex_attention" and not _shared_pays(hb, groups, model, packing):
         groups = None
     if not (packing or groups):
         tokens = batch["ids"].numel()
@@ -125,23 +136,25 @@ def token_outputs(model, batch: dict, kind: str, temperature: float = 1.0, entro
     from rlhf_core.train import attention
 
     dev = batch["ids"].device
-    pb, (rows, cols, flat) = _layout(batch, groups)
+    pb, (rows, cols, flat) = _layout(hb, groups)
     kw = attention.model_inputs(model, pb, dev)
-    rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
     B, T = batch["ids"].shape[0], batch["ids"].shape[1] - 1
 
     def unpack(x, r, c):  # (M,) -> (B, L - 1), zeros where a row has no output (autograd flows through)
         return x.new_zeros(B, T).index_put((r, c), x)
 
     if kind == "critic":
+        rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
         core = getattr(model, model.base_model_prefix)
         v = logprobs.through_top(model, lambda: model.score(core(**kw, use_cache=False).last_hidden_state))  # (R, T', 1)
         return unpack(v.reshape(-1)[flat].float(), rows, cols), None, pb.input_ids.numel()
-    mask = batch.get("mask")
-    if mask is not None:  # only the action columns go through the head
+    mask = hb.get("mask")
+    if mask is not None:  # only the action columns go through the head (selected on the host: no sync)
         sel = mask[rows, cols] > 0
         rows, cols, flat = rows[sel], cols[sel], flat[sel]
-    lp, ent = logprobs.selected_logprobs(model, kw, flat, batch["ids"][rows, cols + 1], temperature, entropy)
+    targets = hb["ids"][rows, cols + 1].to(dev)
+    rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
+    lp, ent = logprobs.selected_logprobs(model, kw, flat, targets, temperature, entropy)
     return unpack(lp, rows, cols), unpack(ent, rows, cols) if ent is not None else None, pb.input_ids.numel()
 
 
@@ -211,11 +224,13 @@ def micro_batches(batch: dict, hp: dict, rollout: bool) -> list[list[int]]:
 
 
 def experience(batch: dict, hp: dict, dev, fn) -> torch.Tensor:
-    """fn(micro-batch on `dev`) -> per-token outputs, over the experience micro-batches of `batch`, gathered
-    back in row order on the CPU # (B, L - 1) (token-bounded micro-batches are cut to their own width)."""
+    """fn(micro-batch on `dev`, the same on the CPU) -> per-token outputs, over the experience micro-batches of
+    `batch`, gathered back in row order on the CPU # (B, L - 1) (token-bounded micro-batches are cut to their own
+    width)."""
     out = torch.zeros(batch["ids"].shape[0], batch["ids"].shape[1] - 1)  # (B, L - 1)
     for idx in micro_batches(batch, hp, rollout=True):
-        b = to_device(rows_of(batch, idx), dev)
-        o = to_host(fn(trimmed(b) if hp["use_dynamic_batch"] else b).float())
+        rows = rows_of(batch, idx)
+        rows = trimmed(rows) if hp["use_dynamic_batch"] else rows  # on the CPU: no host sync
+        o = to_host(fn(to_device(rows, dev), rows).float())
         out[idx, :o.shape[1]] = o
     return out

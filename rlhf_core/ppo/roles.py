@@ -69,8 +69,11 @@ class Learner:
         torch.manual_seed(hp["seed"] + self.rank)
         ds = {"train_batch_size": hp["train_batch_size"], "train_micro_batch_size_per_gpu": hp["micro_train_batch_size"],
               "gradient_clipping": hp["max_norm"], "zero_optimization": {"stage": hp["zero_stage"]},
-              "bf16": {"enabled": hp["bf16"]}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": hp["bf16"], "check_grad_overflow": False}, "zero_allow_untested_optimizer": True,
               "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
+        # check_grad_overflow (DeepSpeed 0.19.8 turns it on for bf16, its PR #6976): ZeRO-1/2 would scan every
+        # gradient, wait on the host each step and skip a step with an inf / NaN gradient, which neither the bare
+        # torch loop (clip_grad_norm_) nor older DeepSpeed releases did (issue 36; tests/.../test_learner_step.py)
         if hp["use_dynamic_batch"]:  # the learner marks each step's last micro-batch (OpenRLHF does the same)
             ds.update(train_batch_size=self.world, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
         if hp["adam_offload"]:  # ZeRO-Offload: fp32 master weights and Adam's moments in host memory
@@ -159,25 +162,27 @@ class Learner:
         the update, in experience micro-batches (micro_batches: micro_rollout_batch_size rows, OpenRLHF's
         experience micro-batches, or token-bounded with use_dynamic_batch)."""
         self.module.eval()
-        return experience(batch, self.hp, self.device, lambda b: self._outputs(b)[0])
+        return experience(batch, self.hp, self.device, lambda b, host: self._outputs(b, host=host)[0])
 
-    def _outputs(self, b: dict, entropy: str | None = None):
+    def _outputs(self, b: dict, entropy: str | None = None, host: dict | None = None):
         lp, ent, n = token_outputs(self.module, b, self.kind, self.hp["temperature"], entropy,
-                                   self.hp["packing_samples"], self.hp.get("shared_prompt", False))
+                                   self.hp["packing_samples"], self.hp.get("shared_prompt", False), host)
         self.forwarded_tokens += n
         return lp, ent
 
     # ------------------------------------------------------------------ train
     def loss(self, b: dict, kl_loss_coef: float) -> tuple[torch.Tensor, dict]:
-        """The loss of one micro-batch `b` (moved to this rank's device here) and its detached metrics."""
-        b = to_device(b, self.device)
+        """The loss of one micro-batch `b` (moved to this rank's device here) and its detached metrics (on the device:
+        `train` reads them once per call, so no micro-batch waits on the host). The layout work (prompt groups, packing,
+        action columns) reads the CPU batch: on a GPU each value read from the device would be a host sync."""
+        host, b = b, to_device(b, self.device)
         hp, mask = self.hp, b["mask"]
         agg, max_len, empty = hp["loss_agg"], hp["generate_max_len"], hp.get("loss_agg_empty_rows", "drop")
         if self.kind == "critic":
-            v = self._outputs(b)[0]
+            v = self._outputs(b, host=host)[0]
             loss = rl_math.value_loss(v, b["old_values"], b["returns"], mask, hp["value_clip"], agg, empty)
             return loss, {"critic_loss": loss.detach()}
-        lp, ent = self._outputs(b, "loss" if hp["entropy_loss_coef"] else "metric")
+        lp, ent = self._outputs(b, "loss" if hp["entropy_loss_coef"] else "metric", host)
         reused = "old_logp" not in b  # on-policy single update: this forward is the old policy (loop.train)
         old = lp.detach() if reused else b["old_logp"]
         w = rl_math.rollout_is_weight(old, b["rollout_logp"], *hp["vllm_is_truncated_threshold"],
@@ -217,8 +222,8 @@ class Learner:
         pick = torch.randint(len(self.pretrain), (rows,), generator=self._ptx_gen).tolist()
         rows_ids = [self.pretrain[i] for i in pick]
         b = collate([r[:1] for r in rows_ids], [r[1:] for r in rows_ids], 0)  # mask: every token after the first
-        b = to_device(b, self.device)
-        lp = token_outputs(self.module, b, "policy", 1.0, None, self.hp["packing_samples"])[0]  # (B, L - 1)
+        host, b = b, to_device(b, self.device)
+        lp = token_outputs(self.module, b, "policy", 1.0, None, self.hp["packing_samples"], host=host)[0]  # (B, L - 1)
         return -losses.reduce_tokens(lp, b["mask"])
 
     def _steps(self, batch: dict, order: torch.Tensor):
@@ -249,22 +254,25 @@ class Learner:
         eng.train()
         n = batch["ids"].shape[0]
         g = torch.Generator().manual_seed(hp["seed"] + int(eng.global_steps))
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # on the device, float64: read once at the end (one host sync per call)
         count, tokens, t0, forwarded = 0, 0, time.perf_counter(), self.forwarded_tokens
         self._ptx_gen = None  # PTX rows of this call drawn from (seed, optimizer step, rank)
         for _ in range(hp["max_epochs"]):
             order = grouped_order(batch, g) if hp.get("shared_prompt") else torch.randperm(n, generator=g)  # whole groups
-            for b, scale, boundary in self._steps(batch, order):
+            for b, scale, boundary in self._steps(batch, order):  # b: CPU rows (the loss moves its own copy)
                 loss, met = self.loss(b, kl_loss_coef)
                 if boundary is not None:
                     eng.set_gradient_accumulation_boundary(boundary)
                 eng.backward(loss * scale if scale != 1.0 else loss)
                 eng.step()
                 for k, val in met.items():
-                    sums[k] = sums.get(k, 0.0) + float(val)
+                    val = torch.as_tensor(val, device=self.device).detach().double()
+                    sums[k] = sums[k] + val if k in sums else val
                 count += 1
                 tokens += int(b["attn"].sum())
-        out = {k: v / max(1, count) for k, v in sums.items()}
+        keys = list(sums)
+        means = torch.stack([sums[k] for k in keys]).cpu().tolist() if keys else []
+        out = {k: v / max(1, count) for k, v in zip(keys, means)}
         out[f"{self.kind}_lr"] = eng.get_lr()[0]
         out[f"{self.kind}_tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
         out[f"{self.kind}_padding_tokens"] = self.forwarded_tokens - forwarded - tokens
@@ -427,9 +435,9 @@ class Reference:
         if moved:
             self.model.to(self.device)
         hp = self.hp
-        out = experience(batch, hp, self.device, lambda b: token_outputs(self.model, b, "policy", hp["temperature"],
-                                                                          packing=hp["packing_samples"],
-                                                                          shared=hp.get("shared_prompt", False))[0])
+        out = experience(batch, hp, self.device, lambda b, host: token_outputs(
+            self.model, b, "policy", hp["temperature"], packing=hp["packing_samples"],
+            shared=hp.get("shared_prompt", False), host=host)[0])
         if moved:
             self.model.to("cpu")
             torch.cuda.empty_cache()
