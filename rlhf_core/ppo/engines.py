@@ -42,10 +42,35 @@ class _SampledLogprobs:
         return torch.stack(self.out, 1) if self.out else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
 
 
+RELEASE_ABOVE_GB = 1.0  # HFRollout.generate: the cached-but-unused CUDA memory it hands back first (issue 36 item 3)
+
+
+def release_cached(above_gb: float | None = RELEASE_ABOVE_GB) -> bool:
+    """Hand the CUDA allocator's cached-but-unused blocks back to the driver (torch.cuda.empty_cache) when they exceed
+    `above_gb`, before a generation that shares this process (or this GPU) with a learner: a training step leaves
+    its activations' blocks cached (tens of GB at micro-batch 64 and a 0.5B model), and on the lent H200 an in-process
+    HF rollout after a micro-64 step took 1.7-1.85x its time after a micro-16 step (issue 36). The allocator's state
+    is the only thing that step leaves behind that differs with the micro-batch (this engine keeps no cache between
+    calls), so its cached blocks are released here, as OpenRLHF empties the cache between its training step and the
+    weight sync. Not yet measured on a GPU: benchmarks/gpu/gpu_rollout_after_learner.py tells the hypotheses apart
+    (allocator, Python's GC, the GPU's clocks) and times the rollout with and without this. Returns whether it
+    released; None or no CUDA: never."""
+    if above_gb is None or not torch.cuda.is_available():
+        return False
+    if torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= above_gb * 2 ** 30:
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 class HFRollout:
     """A long-lived transformers-generate engine. Token in, token out: prompt ids in; per sample the sampled
     ids (up to and including EOS) and each sampled token's log-prob under the tempered distribution
-    log_softmax(logits / T) out (the policy that sampled it, before top-p / top-k truncation)."""
+    log_softmax(logits / T) out (the policy that sampled it, before top-p / top-k truncation). On CUDA each
+    generation first hands back the allocator's cached blocks above `release_above_gb` (release_cached; None keeps
+    them)."""
+
+    release_above_gb: float | None = RELEASE_ABOVE_GB
 
     def __init__(self, model_dir: str, bf16: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,6 +92,7 @@ class HFRollout:
                  top_k: int, seed: int, min_new_tokens: int = 0, repetition_penalty: float = 1.0) -> list[list[dict]]:
         """n samples of each prompt; min_new_tokens / repetition_penalty: an agent's sampling_params (vLLM's
         min_tokens / repetition_penalty, transformers' processors of those names)."""
+        release_cached(getattr(self, "release_above_gb", RELEASE_ABOVE_GB))
         torch.manual_seed(seed)
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)  # (P, W) left padded
