@@ -187,6 +187,7 @@ def run_variant(name: str, shape_name: str, micro: int, args, model_dir: str, ba
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    start_gb = torch.cuda.memory_allocated() / 2 ** 30 if cuda else None  # what earlier variants left (a leak shows)
     t0 = clock()
     if name.startswith("bare"):
         master = torch.float32 if name == "bare" or not bf16 else torch.bfloat16
@@ -226,7 +227,7 @@ def run_variant(name: str, shape_name: str, micro: int, args, model_dir: str, ba
            "mfu": round(flops / args.peak_flops, 4) if cuda else None}
     if cuda:
         st = torch.cuda.memory_stats()
-        rec.update(peak_allocated_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
+        rec.update(start_allocated_gb=round(start_gb, 2), peak_allocated_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
                    reserved_gb=round(torch.cuda.memory_reserved() / 2 ** 30, 2),
                    alloc_retries=st.get("num_alloc_retries", 0) - retries0, syncs=host_syncs(step))
         if profile_dir is not None and name in ("bare", "learner_z2"):

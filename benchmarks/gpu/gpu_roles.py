@@ -3,7 +3,8 @@ the machine (nothing is downloaded; weights are random, so only speed and memory
 
   logprob_peak_memory  Qwen2-1.5B shape, 8 x 1024 tokens, no grad: rlhf_core.rl.logprobs.token_logprobs (LM head in
                        chunks) beside the plain path (model logits -> fp32 log_softmax -> gather): the CUDA
-                       allocator's peak above the weights and ids, seconds, and how far the two paths disagree.
+                       allocator's peak above the weights and ids, seconds (each path after one warm-up call),
+                       and how far the two paths disagree.
   grpo_step            Qwen2-0.5B shape in bf16: HFRollout.generate -> a synthetic token-level reward ->
                        group_norm advantages -> Learner.train (DeepSpeed, 1-rank group, ZeRO-2) ->
                        HFRollout.load_weights (the learner's full CPU state_dict, as the object store delivers
@@ -105,6 +106,8 @@ def logprob_memory(shape: dict, B: int, L: int, dev: str, dtype, clock: Clock) -
 
     results = {}
     for path, fn in (("chunked", lambda: logprobs.token_logprobs(model, ids, attn)[0]), ("plain", plain)):
+        with torch.no_grad():  # warm-up: the first call pays kernel loading and cuBLAS set-up (issue 36: the 3.8x
+            fn()               # chunked / plain figure of 2026-11-26 timed the chunked path first and cold)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
