@@ -24,7 +24,8 @@ from pydantic import Field
 from rlhf_core.inputs import models
 from rlhf_core import store
 from rlhf_core.rollout.generation import EngineSpec, SamplingSpec, generate, model_input
-from rlhf_core.rollout.rewards import RewardSpec, check_reward_model, compute_rewards
+from rlhf_core.rollout.rewards import RewardSpec, compute_rewards
+from rlhf_core.rollout.reward_model import check_reward_model
 from stages.common import ConfigError, StageConfig
 
 

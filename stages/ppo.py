@@ -42,7 +42,8 @@ from rlhf_core.runtime import ray_jobs
 from rlhf_core.rl import rl_math
 from rlhf_core import store
 from rlhf_core.rollout.generation import model_input
-from rlhf_core.rollout.rewards import RewardError, RewardSpec, check_reward_model, compute_rewards, head_prefix
+from rlhf_core.rollout.rewards import RewardError, RewardSpec, compute_rewards
+from rlhf_core.rollout.reward_model import check_reward_model, head_prefix
 from rlhf_core.train import attention, checkpoints, schedule
 from rlhf_core.train.launch import TrainingIncomplete, tokenizer_id
 from stages.common import ConfigError, StageConfig

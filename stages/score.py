@@ -11,7 +11,7 @@ with its placeholder token: `step_rewards` (a list column) holds the steps' rewa
 A causal-LM PRM trained elsewhere is named by `prm_tokens` (placeholder, then reward tokens, positive first).
 Samples whose response has no placeholder are refused by row before any scoring, unless
 `prm_step_separator` (e.g. "\n") names where a step ends: then the placeholders are put there for scoring
-(rlhf_core.rollout.rewards.mark_steps), the samples keep their text, and a response already holding one is refused.
+(rlhf_core.rollout.reward_model.mark_steps), the samples keep their text, and a response already holding one is refused.
 
     rlhf-flows stage score samples_uri=... reward_model_uri=... output_uri=...
     rlhf-flows serve-rm s3://b/rm --port 5000     # then, elsewhere:
@@ -29,7 +29,8 @@ from pydantic import Field, model_validator
 from rlhf_core.inputs import data, model_inputs
 from rlhf_core.runtime import ray_jobs
 from rlhf_core import store
-from rlhf_core.rollout.rewards import RewardSpec, check_reward_model, compute_rewards, load_reward_func
+from rlhf_core.rollout.rewards import RewardSpec, compute_rewards, load_reward_func
+from rlhf_core.rollout.reward_model import check_reward_model
 from stages.common import ConfigError, StageConfig
 
 

@@ -1,4 +1,4 @@
-"""Reward-model scoring throughput: rlhf_core.rollout.rewards.RMEngine (length-sorted batches, left padding,
+"""Reward-model scoring throughput: rlhf_core.rollout.reward_model.RMEngine (length-sorted batches, left padding,
 position ids from the mask, last-token head) vs a bare forward loop (tokenizer padding, the HF
 sequence-classification model's own pooling) over the same texts and batch size, tiny RM, fp32 CPU.
 Tokens/s = real (non-pad) tokens scored / wall seconds. Goal: >= 0.9x the bare loop.
@@ -30,7 +30,8 @@ def main(n: int = 2048, batch: int = 32, repeats: int = 3) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_core.demo import demo_task, tiny
-    from rlhf_core.rollout.rewards import RewardSpec, RMEngine
+    from rlhf_core.rollout.rewards import RewardSpec
+    from rlhf_core.rollout.reward_model import RMEngine
 
     with tempfile.TemporaryDirectory() as d:
         _, rm_dir = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0)

@@ -82,7 +82,7 @@ def rewards_for(cfg, reward_spec, roles: Roles, prompts: list[str], responses: l
 
     try:
         if roles.reward is not None:  # every reward model scores; several combine as reward_models_agg says
-            from rlhf_core.rollout.rewards import shard_pairs
+            from rlhf_core.rollout.reward_model import shard_pairs
 
             pairs, done = list(zip(prompts, responses)), finished or [True] * len(prompts)
             shards = shard_pairs(len(pairs), len(roles.rewards))  # each reward rank scores its shard

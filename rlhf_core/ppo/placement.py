@@ -184,7 +184,7 @@ class Roles:
 
         from rlhf_core.ppo import engines, node_store, weight_sync
         from rlhf_core.ppo.roles import Learner, Reference
-        from rlhf_core.rollout.rewards import RMEnsemble
+        from rlhf_core.rollout.reward_model import RMEnsemble
 
         gpus = roles_on_gpus(cfg, ray.cluster_resources()) if gpus is None else gpus
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node

@@ -51,7 +51,7 @@ class Learner:
     def setup(self, model_dir: str, hp: dict, master_addr: str, master_port: int, total_steps: int) -> int:
         model_dir = node_store.local_model(model_dir)  # this node's copy
         if self.kind == "critic":  # an OpenRLHF-format reward model (backbone + value head) as the critic
-            from rlhf_core.rollout.rewards import check_reward_model, head_prefix, value_head_as_seq_cls
+            from rlhf_core.rollout.reward_model import check_reward_model, head_prefix, value_head_as_seq_cls
 
             prefix = head_prefix(model_dir, hp["value_head_prefix"])
             if check_reward_model(model_dir, prefix) == "value_head":

@@ -23,7 +23,8 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 5000, batch_siz
                 normalize: bool = True, value_head_prefix: str = "value_head", storage_options: dict | None = None
                 ) -> HTTPServer:
     from rlhf_core.rollout.generation import model_input
-    from rlhf_core.rollout.rewards import RewardSpec, RMEngine, check_finite
+    from rlhf_core.rollout.rewards import RewardSpec, check_finite
+    from rlhf_core.rollout.reward_model import RMEngine
 
     local, _ = model_input(model, storage_options)
     spec = RewardSpec(model=str(local), normalize=normalize, max_len=max_len, batch_size=batch_size,

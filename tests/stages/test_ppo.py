@@ -323,7 +323,7 @@ def test_reward_ranks_shard_the_pairs_and_the_driver_reassembles_them():
     rewards_for sends each rank its shard and puts the scores back in order (a repeated pair counted once)."""
     from types import SimpleNamespace
 
-    from rlhf_core.rollout.rewards import shard_pairs
+    from rlhf_core.rollout.reward_model import shard_pairs
 
     assert shard_pairs(5, 2) == [[0, 1, 2], [3, 4, 4]] and shard_pairs(1, 2) == [[0], [0]]
     assert shard_pairs(4, 4) == [[0], [1], [2], [3]]

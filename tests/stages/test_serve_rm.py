@@ -45,7 +45,8 @@ def test_score_through_serve_rm_equals_the_reward_model(tiny, samples_uri, tmp_p
 
 
 def test_serve_rm_without_normalisation_returns_raw_scores(tiny):
-    from rlhf_core.rollout.rewards import RMEngine, RewardSpec
+    from rlhf_core.rollout.rewards import RewardSpec
+    from rlhf_core.rollout.reward_model import RMEngine
 
     server = make_server(str(tiny.reward_dir), port=0, normalize=False)
     t = threading.Thread(target=server.serve_forever, daemon=True)

@@ -94,7 +94,7 @@ def test_prm_step_separator_scores_a_policys_unmarked_steps(trained, tiny, tmp_p
     where the training data marked it, so the held-out responses stripped of their placeholders get the step
     rewards of the marked ones; the stored responses stay unmarked. A response that already holds a
     placeholder, or the setting without a PRM, is refused; nothing is committed."""
-    from rlhf_core.rollout.rewards import mark_steps
+    from rlhf_core.rollout.reward_model import mark_steps
 
     assert mark_steps(" great tea\n\nbad lamp \n", "\n", "ки") == " great tea ки\n\nbad lamp ки\n"
     assert mark_steps("  ", "\n", "ки") == " ки"  # a blank response is one empty step

@@ -8,7 +8,8 @@ import torch
 
 from rlhf_core.inputs import model_inputs, models
 from rlhf_core.rollout.generation import HFEngine, EngineSpec, SamplingSpec
-from rlhf_core.rollout.rewards import RMEngine, RewardSpec
+from rlhf_core.rollout.rewards import RewardSpec
+from rlhf_core.rollout.reward_model import RMEngine
 from rlhf_core.train import batches
 
 

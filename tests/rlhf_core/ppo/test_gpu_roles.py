@@ -28,7 +28,8 @@ from rlhf_core.rl import logprobs, rl_math
 from rlhf_core.ppo import loop
 from rlhf_core.ppo.engines import HFRollout
 from rlhf_core.ppo.roles import Learner, Reference
-from rlhf_core.rollout.rewards import RMEngine, RewardSpec
+from rlhf_core.rollout.rewards import RewardSpec
+from rlhf_core.rollout.reward_model import RMEngine
 
 pytestmark = pytest.mark.gpu
 GPU = "cuda"  # the device type every role's model must sit on

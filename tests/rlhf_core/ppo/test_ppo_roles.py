@@ -20,7 +20,8 @@ from rlhf_core.ppo.engines import HFRollout
 from rlhf_core.ppo.forward import policy_logprobs
 from rlhf_core.ppo.roles import Learner, Reference
 from rlhf_core.runtime.devices import to_device
-from rlhf_core.rollout.rewards import RMEngine, RewardSpec
+from rlhf_core.rollout.rewards import RewardSpec
+from rlhf_core.rollout.reward_model import RMEngine
 from stages import ppo
 
 META = torch.device("meta")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhf_core.demo import demo_task
-from rlhf_core.rollout.rewards import RewardError, RewardSpec, RMEngine, compute_rewards
+from rlhf_core.rollout.rewards import RewardError, RewardSpec, compute_rewards
+from rlhf_core.rollout.reward_model import RMEngine
 
 PROMPTS = ["Review of the movie:", "Review of the food: and a much longer prompt here", "Review of the tea:"]
 RESPONSES = [" great good .", " bad", " the service was really awful and boring ."]
@@ -146,7 +147,7 @@ def test_exactly_one_source():
 # ---------------------------------------------------------------------------------------------- issue 37: RM ranks
 def _rm_rank(rank: int, world: int, port: int, models: list, pairs: list, out: str) -> None:
     """One ZeRO-3 reward rank in a spawned process: its shard of the pairs, scored by every model."""
-    from rlhf_core.rollout.rewards import RMEnsemble, shard_pairs
+    from rlhf_core.rollout.reward_model import RMEnsemble, shard_pairs
 
     torch.set_num_threads(1)
     rm = RMEnsemble(models, RewardSpec(model=models[0], batch_size=2), rank=rank, world=world, sharded=True)
@@ -163,7 +164,7 @@ def test_two_zero3_reward_ranks_score_as_one_each_holding_half(tiny, tmp_path):
     RMEngine's (atol 1e-5, fp32) and each rank holds about half the elements."""
     import torch.multiprocessing as mp
 
-    from rlhf_core.rollout.rewards import RMEnsemble
+    from rlhf_core.rollout.reward_model import RMEnsemble
     from rlhf_core.runtime.jobs import free_port
     from tests.rlhf_core.ppo.test_ppo_roles import openrlhf_rm
 
