@@ -37,6 +37,8 @@ from pydantic import Field, model_validator
 import torch
 
 from rlhf_core.rollout import agent
+
+from rlhf_core.rollout import episodes
 from rlhf_core.inputs import data, model_inputs, models
 from rlhf_core.runtime import ray_jobs
 from rlhf_core.rl import rl_math
@@ -603,13 +605,13 @@ def run(cfg: Config) -> store.Manifest:
                       dtype="bfloat16" if cfg.bf16 else "float32",
                       batch_size=cfg.micro_rollout_batch_size or cfg.micro_train_batch_size)
     agent_cls = None
-    if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.rollout.agent.CustomExecutor)
+    if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.rollout.episodes.CustomExecutor)
         agent_cls = agent.load_executor(cfg.agent_executor_path)
     elif cfg.agent_func_path:  # the file's AgentExecutor as OpenRLHF picks it (rlhf_core.rollout.agent.load_agent)
         agent_cls = agent.load_agent(cfg.agent_func_path)
         if not getattr(agent_cls, "__is_executor__", False):  # reset + one step with an empty action, first batch
             probe = rows[:cfg.rollout_batch_size]
-            agent.run_sync(agent.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
+            episodes.run_sync(episodes.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
     elif not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
         probe = rows[:cfg.rollout_batch_size]
         try:

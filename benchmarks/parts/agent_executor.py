@@ -32,6 +32,8 @@ def main() -> None:
     import torch
 
     from rlhf_core.rollout import agent
+
+    from rlhf_core.rollout import episodes
     from rlhf_core.demo import demo_task, tiny
     from rlhf_core.inputs import models
     from rlhf_core.ppo.engines import HFRollout
@@ -46,7 +48,7 @@ def main() -> None:
     items = [(i, p, tok(p, add_special_tokens=False).input_ids, None) for i, p in enumerate(prompts)]
 
     def executor():
-        return agent.Executor(agent.EngineClient([engine], seed=0),
+        return episodes.Executor(episodes.EngineClient([engine], seed=0),
                               encode=lambda s: tok(s, add_special_tokens=False).input_ids,
                               decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                               sampling=agent.SamplingParams(max_tokens=args.turn_tokens),
@@ -54,18 +56,18 @@ def main() -> None:
 
     def concurrent():
         ex = executor()
-        eps = agent.run_episodes(ex, items)
+        eps = episodes.run_episodes(ex, items)
         return eps, ex.client.calls
 
     def one_at_a_time():
         eps, calls = [], 0
         for it in items:
             ex = executor()
-            eps += agent.run_episodes(ex, [it])
+            eps += episodes.run_episodes(ex, [it])
             calls += ex.client.calls
         return eps, calls
 
-    agent.run_episodes(executor(), items[:4])  # warm-up
+    episodes.run_episodes(executor(), items[:4])  # warm-up
     out = {}
     for name, fn in (("one_at_a_time", one_at_a_time), ("concurrent", concurrent)):
         times = []

@@ -126,7 +126,8 @@ def learner_settings(cfg) -> dict:
 def executor(cfg, roles: Roles, tok, agent_cls, step: int):
     """The agent executor of one step over the run's rollout engines (rlhf_core.rollout.agent)."""
     from rlhf_core.inputs import models
-    from rlhf_core.rollout.agent import CustomExecutor, EngineClient, Executor, SamplingParams
+    from rlhf_core.rollout.agent import SamplingParams
+    from rlhf_core.rollout.episodes import CustomExecutor, EngineClient, Executor
 
     bos = models.adds_bos(tok)
 
@@ -147,7 +148,8 @@ def executor(cfg, roles: Roles, tok, agent_cls, step: int):
 
 def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spec, agent_cls, where, rnd: int):
     """n episodes per prompt of `idx` -> (episodes, rewards, scores, extra metrics)."""
-    from rlhf_core.rollout.agent import AgentError, run_episodes
+    from rlhf_core.rollout.agent import AgentError
+    from rlhf_core.rollout.episodes import run_episodes
 
     n = cfg.n_samples_per_prompt
     items = [(k, prompts[i]["prompt"], prompt_ids[i], prompts[i].get("label")) for k, i in

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.rollout import agent
+
+from rlhf_core.rollout import episodes
 from rlhf_core.inputs import models
 
 # A counting environment: feedback " again ." after each turn, done after `turns` turns; the reward is the
@@ -72,7 +74,7 @@ def tok(tiny):
 
 def make_executor(engine, tok, agent_cls=None, max_new=20, max_turns=8, first_max_tokens=None):
     engine.calls.clear()
-    return agent.Executor(agent.EngineClient([engine], seed=1), encode=lambda s: tok(s, add_special_tokens=False).input_ids,
+    return episodes.Executor(episodes.EngineClient([engine], seed=1), encode=lambda s: tok(s, add_special_tokens=False).input_ids,
                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                           sampling=agent.SamplingParams(temperature=1.0, max_tokens=first_max_tokens), max_new_tokens=max_new, max_turns=max_turns,
                           agent_cls=agent_cls)
@@ -86,7 +88,7 @@ def items(tok, k=4):
 def test_multi_turn_episodes_append_feedback_and_mask_it(tiny, engine, tok, tmp_path):
     cls = agent.load_agent(agent_file(tmp_path, COUNTING, turns=2))
     ex = make_executor(engine, tok, cls, max_new=40, first_max_tokens=6)
-    eps = agent.run_episodes(ex, items(tok))
+    eps = episodes.run_episodes(ex, items(tok))
     fb = tok(" again .", add_special_tokens=False).input_ids
     seen = cls.step.__globals__["SEEN"]
     for ep, (i, p, pids, label) in zip(eps, items(tok)):
@@ -109,15 +111,15 @@ def test_multi_turn_episodes_append_feedback_and_mask_it(tiny, engine, tok, tmp_
 
 def test_episode_ends_at_max_turns_and_at_the_token_budget(engine, tok, tmp_path):
     cls = agent.load_agent(agent_file(tmp_path, COUNTING, turns=100))
-    eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=200, max_turns=3, first_max_tokens=4), items(tok, 2))
+    eps = episodes.run_episodes(make_executor(engine, tok, cls, max_new=200, max_turns=3, first_max_tokens=4), items(tok, 2))
     assert all(e.turns == 3 and e.finish_reason == "max_turns" and e.reward == 1.0 + 2.0 + 3.0 for e in eps)
-    eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=12, max_turns=50), items(tok, 2))
+    eps = episodes.run_episodes(make_executor(engine, tok, cls, max_new=12, max_turns=50), items(tok, 2))
     assert all(e.finish_reason == "length" and len(e.ids) == 12 for e in eps)
 
 
 def test_single_turn_default_runs_through_the_same_executor(engine, tok):
     ex = make_executor(engine, tok, None, max_new=10)
-    eps = agent.run_episodes(ex, items(tok, 3))
+    eps = episodes.run_episodes(ex, items(tok, 3))
     assert engine.calls == [(3, 10, 1.0)]
     for e in eps:
         assert e.turns == 1 and e.reward is None and all(e.action_mask) and 1 <= len(e.ids) <= 10
@@ -129,7 +131,7 @@ def test_concurrent_episodes_match_one_at_a_time_in_shape(engine, tok, tmp_path)
     cls = agent.load_agent(agent_file(tmp_path, COUNTING, turns=2))
     ex = make_executor(engine, tok, cls, max_new=40, first_max_tokens=6)
     for it in items(tok):
-        agent.run_episodes(ex, [it])
+        episodes.run_episodes(ex, [it])
     assert len(engine.calls) == 8 and all(c[0] == 1 for c in engine.calls)
 
 
@@ -149,7 +151,7 @@ def test_step_result_without_a_required_key_names_file_and_key(tmp_path, key):
     path = agent_file(tmp_path, body, name=f"lacks_{key}.py")
     cls = agent.load_agent(path)
     with pytest.raises(agent.AgentError, match=rf"{path}: episode 0 \(probe.*turn 1: step's result has no '{key}' key"):
-        asyncio.run(agent.probe(cls, [(0, "p", [], None)]))
+        asyncio.run(episodes.probe(cls, [(0, "p", [], None)]))
 
 
 def test_step_that_raises_names_episode_and_turn(engine, tok, tmp_path):
@@ -158,9 +160,9 @@ def test_step_that_raises_names_episode_and_turn(engine, tok, tmp_path):
                             "            raise ValueError('the environment broke')\n")
     path = agent_file(tmp_path, body, turns=3, name="raises.py")
     cls = agent.load_agent(path)
-    asyncio.run(agent.probe(cls, [(0, "p", [], "label1")]))  # turn 1 passes the probe
+    asyncio.run(episodes.probe(cls, [(0, "p", [], "label1")]))  # turn 1 passes the probe
     with pytest.raises(agent.AgentError, match=rf"{path}: episode 1 \(x\), turn 2: step raised ValueError: the environment broke"):
-        agent.run_episodes(make_executor(engine, tok, cls, first_max_tokens=4), items(tok, 3), lambda k: " (x)")
+        episodes.run_episodes(make_executor(engine, tok, cls, first_max_tokens=4), items(tok, 3), lambda k: " (x)")
 
 
 # ---------------------------------------------------------------------------------------------- dynamic sampling
@@ -215,7 +217,7 @@ def test_dynamic_filtering_range_low_must_be_below_high():
 def test_episodes_run_from_inside_a_running_event_loop(engine, tok):
     """An async caller (e.g. an async Prefect task) gets the same episodes: run_episodes moves to a thread."""
     async def caller():
-        return agent.run_episodes(make_executor(engine, tok, None, max_new=4), items(tok, 2))
+        return episodes.run_episodes(make_executor(engine, tok, None, max_new=4), items(tok, 2))
 
     eps = asyncio.run(caller())
     assert [e.turns for e in eps] == [1, 1] and all(1 <= len(e.ids) <= 4 for e in eps)
@@ -253,7 +255,7 @@ class AgentExecutor(AgentExecutorBase):
 
 def test_openrlhf_example_file_runs_after_changing_its_import(engine, tok, tmp_path):
     cls = agent.load_agent(agent_file(tmp_path, OPENRLHF_SHAPE, name="agent_func.py"))
-    eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=60, first_max_tokens=4), items(tok, 2))
+    eps = episodes.run_episodes(make_executor(engine, tok, cls, max_new=60, first_max_tokens=4), items(tok, 2))
     for e in eps:
         assert e.turns == 2 and e.finish_reason == "done" and e.reward == 1.0 and e.extra_logs == {"dummy_scores": 1.0}
         assert 0 in e.action_mask  # the "[INCORRECT] ... Assistant:" feedback is in the tokens, masked
@@ -287,7 +289,7 @@ def test_the_files_agent_executor_picks_the_instance_class_as_openrlhf(engine, t
     sum, OpenRLHF's total_reward), its score the same sum (no 'scores' key)."""
     cls = agent.load_agent(agent_file(tmp_path, PICKED, name="picked.py"))
     assert cls.__name__ == "Scored" and not getattr(cls, "__is_executor__", False)
-    eps = agent.run_episodes(make_executor(engine, tok, cls, max_new=30, first_max_tokens=4), items(tok, 2))
+    eps = episodes.run_episodes(make_executor(engine, tok, cls, max_new=30, first_max_tokens=4), items(tok, 2))
     assert [(e.turns, e.reward, e.score) for e in eps] == [(2, 1.5, 1.5)] * 2
 
 
@@ -314,11 +316,11 @@ def test_an_agent_executor_with_its_own_execute_runs_every_episode_one_instance_
     makes one per engine, then calls execute per prompt); the episode's reward is what execute returns."""
     cls = agent.load_agent(agent_file(tmp_path, OWN_EXECUTE, name="own.py"))
     assert cls.__is_executor__
-    ex = agent.CustomExecutor(agent.EngineClient([engine], 1), tok, lambda ids, **kw: tok.decode(ids, **kw),
+    ex = episodes.CustomExecutor(episodes.EngineClient([engine], 1), tok, lambda ids, **kw: tok.decode(ids, **kw),
                               agent.SamplingParams(), 8, cls)
-    eps = agent.run_episodes(ex, items(tok, 3))
+    eps = episodes.run_episodes(ex, items(tok, 3))
     assert [e.reward for e in eps] == [0.75] * 3 and all(1 <= sum(e.action_mask) <= 3 for e in eps)
-    agent.run_episodes(ex, items(tok, 2))
+    episodes.run_episodes(ex, items(tok, 2))
     assert len(cls.__init__.__globals__["MADE"]) == 1
 
 
@@ -362,10 +364,10 @@ def test_every_sampling_setting_reaches_the_agent_and_the_engine(tmp_path):
     eng = FixedEngine()
     text = {40: "a", 41: "b", 42: "c", 43: "c", 44: "d", 45: "e"}
     decode = lambda ids, skip_special_tokens=True: "".join(text[t] for t in ids) + ("" if skip_special_tokens else "<s>")  # noqa: E731
-    ex = agent.Executor(agent.EngineClient([eng], 1), encode=lambda s: [7] * len(s), decode=decode,
+    ex = episodes.Executor(episodes.EngineClient([eng], 1), encode=lambda s: [7] * len(s), decode=decode,
                         sampling=agent.SamplingParams(temperature=0.7, top_p=0.9, top_k=5), max_new_tokens=40,
                         max_turns=5, agent_cls=cls)
-    ep = agent.run_episodes(ex, [(0, "p", [1, 2], None)])[0]
+    ep = episodes.run_episodes(ex, [(0, "p", [1, 2], None)])[0]
     seen = cls.step.__globals__["SEEN"]
     first = seen[0][0]
     assert {k: first[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "repetition_penalty",
@@ -383,7 +385,7 @@ def test_every_sampling_setting_reaches_the_agent_and_the_engine(tmp_path):
     ex.agent_cls = agent.load_agent(bad)
     with pytest.raises(agent.AgentError, match=r"bad_settings.py: episode 0, turn 2: 'sampling_params': \['n'\] are "
                                                r"not sampling settings the rollout engines honour"):
-        agent.run_episodes(ex, [(0, "p", [1, 2], None)])
+        episodes.run_episodes(ex, [(0, "p", [1, 2], None)])
 
 
 def test_hf_engine_takes_min_tokens_and_repetition_penalty(engine):
