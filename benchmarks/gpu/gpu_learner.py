@@ -133,7 +133,7 @@ def host_syncs(fn) -> dict:
 def make_batch(rows: int, prompt_len: int, response_len: int, vocab: int) -> dict:
     import torch
 
-    from rlhf_core.ppo.loop import collate
+    from rlhf_core.ppo.batches import collate
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(rows)]

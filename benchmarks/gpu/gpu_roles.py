@@ -156,7 +156,7 @@ def grpo(args, shape: dict, dev: str, dtype, clock: Clock, work: Path) -> None:
     from rlhf_core.demo import demo_task, tiny
     from rlhf_core.rl import rl_math
     from rlhf_core.runtime.jobs import free_port
-    from rlhf_core.ppo.loop import collate
+    from rlhf_core.ppo.batches import collate
     from rlhf_core.ppo.engines import HFRollout
     from rlhf_core.ppo.roles import Learner
 

@@ -33,7 +33,7 @@ def bare_loop(policy_dir: str, prompt_ids: list[list[int]], pad_id: int, steps: 
 
     from rlhf_core.demo import demo_task
     from rlhf_core.rl import rl_math
-    from rlhf_core.ppo.loop import collate
+    from rlhf_core.ppo.batches import collate
     from rlhf_core.ppo.engines import HFRollout
     from rlhf_core.ppo.forward import policy_logprobs
 

@@ -24,6 +24,7 @@ from rlhf_core.inputs import data, model_inputs
 from rlhf_core.demo import demo_task, tiny as tiny_mod
 from rlhf_core import store
 from rlhf_core.ppo import loop
+from rlhf_core.ppo import rollout as ppo_rollout
 from rlhf_core.rollout.rewards import RewardError
 from stages import ppo, sft
 from stages.common import ConfigError, load_config
@@ -336,7 +337,7 @@ def test_reward_ranks_shard_the_pairs_and_the_driver_reassembles_them():
     ranks = [Rank(), Rank()]
     roles = SimpleNamespace(reward=ranks[0], rewards=ranks, wait=lambda refs, actors, what: refs)
     cfg = SimpleNamespace(reward_models_agg="sum")
-    out, scores, extra = loop.rewards_for(cfg, SimpleNamespace(model="rm"), roles, ["p"] * 5,
+    out, scores, extra = ppo_rollout.rewards_for(cfg, SimpleNamespace(model="rm"), roles, ["p"] * 5,
                                           ["a", "bb", "ccc", "dddd", "eeeee"], [None] * 5, "step 1")
     assert out == [11, 22, 33, 44, 55] and extra == {"rm0": 3.0, "rm1": 30.0}
 
@@ -686,7 +687,7 @@ def test_agent_step_raising_mid_run_fails_the_stage_cleanly(warm, tmp_path):
     bad.write_text(Path(AGENT_DEMO).read_text().replace(
         "        self.tries += 1\n",
         "        self.tries += 1\n        if self.tries == 2:\n            raise KeyError('env lost its state')\n"))
-    with pytest.raises(loop.RolloutError, match=rf"{bad}: episode \d+ \(prompt \d+, sample \d\) of step 1 .*, turn 2: "
+    with pytest.raises(ppo_rollout.RolloutError, match=rf"{bad}: episode \d+ \(prompt \d+, sample \d\) of step 1 .*, turn 2: "
                                                rf"step raised KeyError"):
         ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(bad), max_turns=3,
                          generate_max_len=30))

@@ -3,7 +3,7 @@ the columns whose target is a response token (column t holds log p(token t + 1))
 import torch
 
 from rlhf_core.rl import losses
-from rlhf_core.ppo.loop import collate
+from rlhf_core.ppo.batches import collate
 
 
 def test_collate_marks_response_columns():

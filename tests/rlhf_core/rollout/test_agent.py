@@ -172,7 +172,7 @@ def test_dynamic_filtering_keeps_in_range_groups_and_counts_rounds(engine, tok, 
     others (seeded permutation) until 4 in-range groups are kept; with max_rounds 0 the batch is filled up."""
     from types import SimpleNamespace
 
-    from rlhf_core.ppo import loop
+    from rlhf_core.ppo import rollout as ppo_rollout
     from rlhf_core.rollout.rewards import RewardSpec
     from stages import ppo
 
@@ -187,7 +187,7 @@ def test_dynamic_filtering_keeps_in_range_groups_and_counts_rounds(engine, tok, 
         cfg = ppo.Config(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path=str(fn),
                          advantage_estimator="rloo", n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=8,
                          generate_max_len=4, dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.0), **over)
-        return loop.rollout(cfg, roles, prompts, ids, [0, 1, 4, 5], 0, tok, 0, RewardSpec(func_path=str(fn)))
+        return ppo_rollout.rollout(cfg, roles, prompts, ids, [0, 1, 4, 5], 0, tok, 0, RewardSpec(func_path=str(fn)))
 
     exp = run()
     m = exp["metrics"]
