@@ -194,7 +194,7 @@ def deployment_merged(raw: dict) -> dict:
 
 
 def run_params(params: LoopParams | dict, model: type[LoopParams]) -> LoopParams:
-    """The loop's parameters: a model as given (a local call, `rlhf-flows run`), else the run's `params` merged over
+    """The loop's parameters: a model as given (a local call, `rlhf-flows run FLOW`), else the run's `params` merged over
     its deployment's and validated here, errors naming `params.section.field` (the loops are flows with
     validate_parameters=False: Prefect would validate the run's partial dict before the body; its server still
     checks keys and types against the typed schema, the UI's form). The merged dict is written back to the flow

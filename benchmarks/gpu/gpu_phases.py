@@ -90,7 +90,7 @@ def phases(shape_name: str, shape: dict, small: bool, work: Path) -> None:
 
     from gpu_roles import qwen2, random_model
     from rlhf_core.demo import demo_task, tiny
-    from rlhf_core.ppo import loop, plan, weight_sync
+    from rlhf_core.ppo import batches, loop, plan, weight_sync
     from rlhf_core.ppo.engines import HFRollout
     from rlhf_core.ppo.roles import Learner, Reference
     from rlhf_core.rl import rl_math
@@ -147,7 +147,7 @@ def phases(shape_name: str, shape: dict, small: bool, work: Path) -> None:
         outs = eng.generate(prompts, n, cfg.generate_max_len, temperature=1.0, top_p=1.0, top_k=0, seed=step)
         measured("generate", step, time.perf_counter() - t0)
         resp = [o["ids"] for per in outs for o in per]
-        batch = loop.collate([p for p in prompts for _ in range(n)], resp, eng.pad_id,
+        batch = batches.collate([p for p in prompts for _ in range(n)], resp, eng.pad_id,
                              logprobs=[o["logprobs"] for per in outs for o in per])
         enter("train")
         t0 = time.perf_counter()

@@ -66,7 +66,7 @@ def in_process(cfg, steps: int, cuda: bool) -> list[dict]:
     from rlhf_core.rl import rl_math
     from rlhf_core.rollout.rewards import RewardSpec, compute_rewards
     from rlhf_core.runtime.jobs import free_port
-    from rlhf_core.ppo import loop
+    from rlhf_core.ppo import batches, loop
     from rlhf_core.ppo.engines import HFRollout
     from rlhf_core.ppo.roles import Learner
     from stages import ppo
@@ -92,7 +92,7 @@ def in_process(cfg, steps: int, cuda: bool) -> list[dict]:
                                                      for _ in range(cfg.n_samples_per_prompt)]).rewards
         sync()
         t_rollout = time.perf_counter() - t_step
-        batch = loop.collate([prompt_ids[i] for i in idx for _ in range(cfg.n_samples_per_prompt)], resp, eng.pad_id,
+        batch = batches.collate([prompt_ids[i] for i in idx for _ in range(cfg.n_samples_per_prompt)], resp, eng.pad_id,
                              logprobs=[o["logprobs"] for per in outs for o in per])
         adv, ret = rl_math.advantages_and_returns("group_norm", torch.tensor(raw, dtype=torch.float32), batch["mask"],
                                                   cfg.n_samples_per_prompt, torch.zeros_like(batch["mask"]), 0.0)

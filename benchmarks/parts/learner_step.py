@@ -180,7 +180,7 @@ def main(size: str, repeats: int, micro: int, bf16: bool, zero_stage: int, profi
     from rlhf_core.demo import demo_task, tiny
     from rlhf_core.rl import rl_math
     from rlhf_core.runtime.jobs import free_port
-    from rlhf_core.ppo import loop
+    from rlhf_core.ppo import batches, loop
     from rlhf_core.ppo.engines import HFRollout
     from rlhf_core.ppo.forward import policy_logprobs
     from rlhf_core.ppo.roles import Learner
@@ -197,7 +197,7 @@ def main(size: str, repeats: int, micro: int, bf16: bool, zero_stage: int, profi
     ids = [tok(demo_task.INPUT_TEMPLATE.format(r["input"]), add_special_tokens=False).input_ids
            for r in demo_task.prompts(16, 0)]
     outs = HFRollout(policy).generate(ids, 4, 16, 1.0, 1.0, 0, 0)
-    b = loop.collate([ids[i // 4] for i in range(64)], [o["ids"] for per in outs for o in per], tok.pad_token_id,
+    b = batches.collate([ids[i // 4] for i in range(64)], [o["ids"] for per in outs for o in per], tok.pad_token_id,
                      logprobs=[o["logprobs"] for per in outs for o in per])
     b["adv"] = torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(0))
 

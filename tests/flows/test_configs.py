@@ -22,8 +22,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FLOW_OF = {"demo.yaml": "iterative-dpo", "demo_raft.yaml": "raft", "demo_csft.yaml": "conditional-sft",
            "iterative_dpo_llama3_8b.yaml": "iterative-dpo", "raft_llama3_8b.yaml": "raft",
            "ppo_llama3_8b.yaml": "ppo", "reinforce_baseline_llama3_8b_hybrid.yaml": "ppo"}
-# The ppo demo runs whole in tests/flows/test_ppo_flow.py, not scaled down here.
-RUN_ELSEWHERE = {"demo_ppo.yaml": "ppo"}
+# The ppo demo runs whole in tests/flows/test_ppo_flow.py, not scaled down here. The ProRL v2 config is OpenRLHF's
+# script key by key (tests/flows/test_import_openrlhf.py) and validates as a ppo flow config (tests/test_packaging.py);
+# it is not run scaled down here: its reward is the user's copy of OpenRLHF's math_reward_func.py.
+RUN_ELSEWHERE = {"demo_ppo.yaml": "ppo", "prorl_v2_math_hybrid.yaml": "ppo"}
 SECTIONS = {"prepare": "prepare", "sft": "sft", "train_rm": "train_rm", "generate": "generate", "score": "score",
             "filter": "filter", "eval": "eval", "reference": "reference", "dpo": "dpo", "sft_loop": "sft", "ppo": "ppo"}
 SMALL = {"max_len": 64, "prompt_max_len": 32, "max_new_tokens": 8, "train_batch_size": 2, "micro_train_batch_size": 2,

@@ -25,7 +25,7 @@ import torch
 
 from rlhf_core.demo import demo_task
 from rlhf_core.rl import logprobs, rl_math
-from rlhf_core.ppo import loop
+from rlhf_core.ppo import batches, loop
 from rlhf_core.ppo.engines import HFRollout
 from rlhf_core.ppo.roles import Learner, Reference
 from rlhf_core.rollout.rewards import RewardSpec
@@ -62,7 +62,7 @@ def experience(B: int = 4, P: int = 5, R: int = 6) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (P,), generator=g).tolist() for _ in range(B)]
     resp = [torch.randint(3, 300, (R - (i % 2),), generator=g).tolist() for i in range(B)]
-    b = loop.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
+    b = batches.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
     T = b["mask"].shape
     b.update(old_logp=torch.full(T, -1.0), adv=torch.randn(T, generator=g), ref_logp=torch.full(T, -1.1),
              old_values=torch.zeros(T), returns=torch.ones(T))
@@ -72,7 +72,7 @@ def experience(B: int = 4, P: int = 5, R: int = 6) -> dict:
 def episodes_batch(prompt_ids: list[list[int]], outs: list[list[dict]], pad_id: int) -> dict:
     """A rollout engine's samples (n per prompt) as the driver collates them, rollout log-probs included."""
     eps = [(p, o) for p, per in zip(prompt_ids, outs) for o in per]
-    return loop.collate([p for p, _ in eps], [o["ids"] for _, o in eps], pad_id,
+    return batches.collate([p for p, _ in eps], [o["ids"] for _, o in eps], pad_id,
                         logprobs=[o["logprobs"] for _, o in eps])
 
 

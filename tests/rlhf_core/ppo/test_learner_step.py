@@ -14,12 +14,12 @@ from tests.rlhf_core.ppo.test_ppo_roles import experience, learner_env, make_lea
 
 def grpo_batch(groups: int = 4, n: int = 4) -> dict:
     """`groups` prompts x `n` responses of different lengths (shared_prompt's groups), CPU tensors as Ray sends."""
-    from rlhf_core.ppo import loop
+    from rlhf_core.ppo import batches, loop
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (6 + k,), generator=g).tolist() for k in range(groups)]
     resp = [torch.randint(3, 300, (3 + (i % 5),), generator=g).tolist() for i in range(groups * n)]
-    b = loop.collate([prompts[i // n] for i in range(groups * n)], resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
+    b = batches.collate([prompts[i // n] for i in range(groups * n)], resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
     b["adv"] = torch.randn(b["mask"].shape, generator=g)
     return b
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlhf_core.rl import losses
-from rlhf_core.ppo import loop
+from rlhf_core.ppo import batches, loop
 from rlhf_core.ppo.engines import HFRollout
 from rlhf_core.ppo.forward import policy_logprobs
 from rlhf_core.ppo.roles import Learner, Reference
@@ -73,7 +73,7 @@ def experience(policy_dir, B: int = 4, P: int = 5, R: int = 6) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (P,), generator=g).tolist() for _ in range(B)]
     resp = [torch.randint(3, 300, (R - (i % 2),), generator=g).tolist() for i in range(B)]
-    b = loop.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
+    b = batches.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
     T = b["mask"].shape
     b.update(old_logp=torch.full(T, -1.0), adv=torch.randn(T, generator=g), ref_logp=torch.full(T, -1.1),
              old_values=torch.zeros(T), returns=torch.ones(T))
@@ -225,7 +225,7 @@ def test_rollout_and_trainer_logprobs_are_the_tempered_policys(tiny, learner_env
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     outs = eng.generate(prompts, n=3, max_new_tokens=8, temperature=T, top_p=1.0, top_k=0, seed=1)
     eps = [(p, o) for p, per in zip(prompts, outs) for o in per]
-    batch = loop.collate([p for p, _ in eps], [o["ids"] for _, o in eps], eng.pad_id,
+    batch = batches.collate([p for p, _ in eps], [o["ids"] for _, o in eps], eng.pad_id,
                          logprobs=[o["logprobs"] for _, o in eps])
     mask = batch["mask"]
     model = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir), dtype=torch.float32).eval()
@@ -335,7 +335,7 @@ def ragged(B: int = 6) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (3 + i % 5,), generator=g).tolist() for i in range(B)]
     resp = [torch.randint(3, 300, (2 + (3 * i) % 8,), generator=g).tolist() for i in range(B)]
-    b = loop.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
+    b = batches.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * len(r) for r in resp])
     T = b["mask"].shape
     b.update(old_logp=torch.full(T, -1.0), adv=torch.randn(T, generator=g), ref_logp=torch.full(T, -1.1),
              old_values=torch.zeros(T), returns=torch.ones(T))

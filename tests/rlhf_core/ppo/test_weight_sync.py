@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.ppo import loop
+from rlhf_core.ppo import batches, loop
 from stages import ppo
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def experience(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     prompts = [torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(4)]
     resp = [torch.randint(3, 300, (6,), generator=g).tolist() for _ in range(4)]
-    b = loop.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * 6] * 4)
+    b = batches.collate(prompts, resp, pad_id=0, logprobs=[[-1.0] * 6] * 4)
     b["adv"] = torch.randn(b["mask"].shape, generator=g)
     return b
 
