@@ -98,7 +98,7 @@ def run(cfg: Config) -> store.Manifest:
                                     bf16=cfg.bf16, zero_stage=3 if cfg.zero_stage == 3 else 0, batch_size=cfg.micro_train_batch_size,
                                     packing_samples=cfg.packing_samples, launcher="inline" if one_device else cfg.launcher,
                                     num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, hostfile=cfg.hostfile,
-                                    attn_implementation=cfg.attn_implementation)
+                                    attn_implementation=cfg.attn_implementation, max_len=cfg.max_len)
     for r, a, b in zip(records + eval_records, ref_lp, ref_kl):  # one pass for training and eval records
         r["ref_logp"], r["ref_kl_logp"] = a, b
     spec = {k: getattr(cfg, k) for k in ("beta", "desirable_loss_weight", "undesirable_loss_weight")}

@@ -17,7 +17,8 @@ reported too.
 
 Real tokens = prompt + response tokens of chosen and rejected over the epoch (padding not counted).
 Ours: reference-pass seconds + training-loop seconds (launcher start reported separately).
-TRL: trainer.train() seconds (precompute_ref_log_probs counted in it when enabled).
+TRL: trainer.train() seconds + with precompute_ref_log_probs its reference precompute, which TRL 1.16 runs in
+DPOTrainer.__init__ (timed apart by trl_peer.trl_train; figures before 2026-11-26 23:30 UTC left it out).
 """
 from __future__ import annotations
 

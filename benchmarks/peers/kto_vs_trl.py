@@ -19,7 +19,8 @@ Data: the demo's gold-labelled pairs lengthened as in dpo_vs_trl.py, unpaired in
 desirable, rejected undesirable: 2 x pairs rows). Real tokens = prompt + completion (+ EOS) tokens of the
 examples over the epoch (the KL pairs' forwards and padding not counted, on both sides).
 Ours: reference-pass seconds + training-loop seconds (launcher start reported separately).
-TRL: trainer.train() seconds (precompute_ref_log_probs counted in it when enabled).
+TRL: trainer.train() seconds + with precompute_ref_log_probs its reference precompute, which TRL 1.16 runs in
+KTOTrainer.__init__ (timed apart by trl_peer.trl_train; figures before 2026-11-26 23:30 UTC left it out).
 """
 from __future__ import annotations
 

@@ -66,13 +66,17 @@ def parser(pairs_help: str = "preference pairs") -> argparse.ArgumentParser:
     ap.add_argument("--model", choices=sorted(SIZES), default="tiny",
                     help="tiny (the demo's, ~0.9M parameters: overhead-bound) or 57m (Llama-shaped, hidden 768, 8 "
                          "layers, 12 heads, MLP 2048, the tiny tokenizer: matmul-bound on these CPUs)")
+    ap.add_argument("--trl-variants", help="comma-separated TRL variants to run (default: all of the script's)")
+    ap.add_argument("--no-bare", action="store_true", help="leave out the plain PyTorch loop over our batches")
     ap.add_argument("--trl-peer", help=argparse.SUPPRESS)  # internal: run one TRL variant from a JSON spec
     return ap
 
 
 def trl_train(spec: dict, config_cls: str, trainer_cls: str) -> dict:
-    """One TRL run (TRL's venv: torch, transformers, datasets, trl only): trainer.train() seconds and the
-    dtype the training forward really ran in (a hook on the decoder; TRL fuses the LM head)."""
+    """One TRL run (TRL's venv: torch, transformers, datasets, trl only): its work in seconds, trainer.train()
+    plus the reference precompute where precompute_ref_log_probs runs it (TRL 1.16's DPOTrainer and KTOTrainer
+    call _precompute_ref_logps in __init__, before train(): timed apart and counted, as our reference pass is),
+    and the dtype the training forward really ran in (a hook on the decoder; TRL fuses the LM head)."""
     import datasets
     import torch
     import trl
@@ -93,12 +97,24 @@ def trl_train(spec: dict, config_cls: str, trainer_cls: str) -> dict:
                                     max_length=spec["max_len"], num_train_epochs=1, learning_rate=5e-4, **beta,
                                     report_to=[], use_cpu=True, save_strategy="no", logging_steps=1000,
                                     dataloader_num_workers=0, bf16=False, fp16=False, **spec["extra"])
-    tr = getattr(trl, trainer_cls)(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                                   processing_class=tok)
+    cls, pre = getattr(trl, trainer_cls), [0.0]
+    if hasattr(cls, "_precompute_ref_logps"):
+        precompute = cls._precompute_ref_logps
+
+        def timed(self, *a, **k):
+            t0 = time.time()
+            try:
+                return precompute(self, *a, **k)
+            finally:
+                pre[0] += time.time() - t0
+
+        cls._precompute_ref_logps = timed
+    tr = cls(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
     t = time.time()
     tr.train()
     s = time.time() - t
-    return {"train_s": s, "dtype": "float32" if seen == {("torch.float32", False)} else f"NOT fp32: {sorted(seen)}",
+    return {"train_s": s + pre[0], "train_only_s": s, "ref_precompute_s": pre[0],
+            "dtype": "float32" if seen == {("torch.float32", False)} else f"NOT fp32: {sorted(seen)}",
             "trl": trl.__version__, "torch": torch.__version__}
 
 
@@ -146,6 +162,12 @@ def compare(a, script: str, root: Path, policy: Path, ours, real: int, extra: di
     import torch
 
     variants = variants or VARIANTS
+    if a.trl_variants:
+        unknown = set(a.trl_variants.split(",")) - set(variants)
+        if unknown:
+            sys.exit(f"--trl-variants: {sorted(unknown)} not among {sorted(variants)}")
+        variants = {k: v for k, v in variants.items() if k in a.trl_variants.split(",")}
+    bare = None if a.no_bare else bare
 
     def trl(name: str, i: int) -> dict:
         spec = {"rows": str(root / "rows.jsonl"), "policy": str(policy), "out": str(root / f"{name}{i}"),
@@ -199,7 +221,8 @@ def compare(a, script: str, root: Path, policy: Path, ours, real: int, extra: di
     for name in variants:
         t = spread(name, "train_s")
         res[name] = {"train_s": t, "tokens_per_s_ref_counted": real / t["median"], "trl": runs[name][0]["trl"],
-                     "peak_rss_mb": spread(name, "peak_rss_mb")}
+                     "peak_rss_mb": spread(name, "peak_rss_mb"),
+                     **{k: spread(name, k) for k in ("ref_precompute_s", "train_only_s") if k in runs[name][0]}}
         res[f"speedup_vs_{name}"] = ours_tps / (real / t["median"])
         # pairwise: each repeat's ours against the same repeat's TRL run (neighbours in time)
         res[f"speedup_vs_{name}_per_repeat"] = [r["train_s"] / o for r, o in zip(runs[name], ours_s)]

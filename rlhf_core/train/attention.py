@@ -101,10 +101,11 @@ def mask_function(doc: torch.Tensor, branch: torch.Tensor, pos: torch.Tensor, wi
     return mask_mod
 
 
-def dense(mask_mod, R: int, T: int, device) -> torch.Tensor:
-    """The mask function evaluated everywhere: # (R, 1, T, T) bool."""
+def dense(mask_mod, R: int, T: int, device, q_from: int = 0) -> torch.Tensor:
+    """The mask function evaluated everywhere: # (R, 1, T, T) bool; with `q_from`, for the queries q_from..T-1
+    only: # (R, 1, T - q_from, T)."""
     ar = torch.arange(T, device=device)
-    return mask_mod(torch.arange(R, device=device)[:, None, None, None], None, ar[None, None, :, None],
+    return mask_mod(torch.arange(R, device=device)[:, None, None, None], None, ar[q_from:][None, None, :, None],
                     ar[None, None, None, :])
 
 
@@ -124,6 +125,25 @@ def layout_masks(config, b, device, dtype: torch.dtype):
             raise ValueError(f"{impl} cannot run the shared-prompt pair layout (varlen has no shared prefix): "
                              "collate pairs as two sequences (entry.batch_of does under flash attention)")
         return None  # FlashAttention varlen: documents from the position-id resets
+    return masks_of(config, doc, branch, pos, device, dtype, b.layout)
+
+
+def continuation_masks(config, doc: torch.Tensor, pos: torch.Tensor, q_from: int, device, dtype: torch.dtype):
+    """The attention_mask argument for a forward of new tokens on a KV cache: doc and pos # (R, T) describe the
+    columns [cached | new] (the new tokens are columns q_from..T-1, the queries), as for a packed row: a query
+    attends the columns of its own doc up to itself (a cached column marked with the query's doc is a prefix it
+    continues; -1: not attended). # (R, 1, T - q_from, T), BlockMasks under flex, {layer type: mask} as
+    layout_masks. Not for flash attention (its varlen kernel takes no mask)."""
+    if config._attn_implementation.startswith("flash_attention"):
+        raise ValueError("a forward on a shared prefix's KV cache needs a mask, which flash attention takes none of")
+    return masks_of(config, doc.to(device), torch.zeros_like(doc, device=device), pos.to(device), device, dtype,
+                    "cache continuation", q_from)
+
+
+def masks_of(config, doc, branch, pos, device, dtype: torch.dtype, what: str, q_from: int = 0):
+    """mask_function's masks for each layer type of `config` under its attention implementation (sdpa / eager:
+    dense, flex: BlockMask), for the queries q_from..T-1 over all T columns."""
+    impl = config._attn_implementation
     cfg = config.get_text_config()
     R, T = doc.shape
     masks = {}
@@ -137,12 +157,13 @@ def layout_masks(config, b, device, dtype: torch.dtype):
 
             # compiled, the mask is built block by block (no (T, T) tensor); eager, create_block_mask evaluates it
             # whole: only on CPU, where flex serves the tests (see available)
-            masks[kind] = create_block_mask(fn, B=R, H=None, Q_LEN=T, KV_LEN=T, device=device,
+            shifted = fn if not q_from else (lambda b_, h, q, kv, fn=fn: fn(b_, h, q + q_from, kv))
+            masks[kind] = create_block_mask(shifted, B=R, H=None, Q_LEN=T - q_from, KV_LEN=T, device=device,
                                             _compile=torch.device(device).type != "cpu")
             continue
-        _log_once(f"attention: {b.layout} batches under {impl} use a dense (R, 1, T, T) mask "
+        _log_once(f"attention: {what} batches under {impl} use a dense (R, 1, T, T) mask "
                   "(attn_implementation=flex_attention builds a block mask instead)")
-        m = dense(fn, R, T, device)
+        m = dense(fn, R, T, device, q_from)
         if impl != "sdpa":  # eager (and other kernels) add the mask to the scores
             m = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
         masks[kind] = m

@@ -210,8 +210,8 @@ class BatchPlan:
 # ---------------------------------------------------------------------------------------------- collation
 @dataclass
 class Batch:
-    """Sequences as rows (layout "padded", R = n), packed into one row ("packed", R = 1), or pairs sharing their
-    prompt ("pairs", R = n / 2). input_ids, position_ids, target_mask, segment: # (R, T); segment = sample
+    """Sequences as rows (layout "padded", R = n), packed one after another into one row or into rows of at
+    most a token budget ("packed", R <= n), or pairs sharing their prompt ("pairs", R = n / 2). input_ids, position_ids, target_mask, segment: # (R, T); segment = sample
     index, n for padding; last: # (n, 2) (row, column) of each sample's last token; `explicit`: the targets when
     they are not the next column. Attention: padded rows carry attention_mask # (R, T) (1 = token); packed and
     pairs carry no (T, T) mask but doc # (R, T) (the sequence of each token, -1 padding) and branch # (R, T)
@@ -255,20 +255,50 @@ def _target_list(start: int | list, length: int) -> list[int]:
     return m
 
 
-def collate(seqs: list[list[int]], starts: list, pad_id: int, packed: bool = False) -> Batch:
-    """Token lists -> a Batch. The loss targets of sample i are loss_targets(starts[i], len(seqs[i]))."""
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing (TRL's packing_strategy "bfd"): sample indices per row, longest samples first, each
+    into the fullest row it still fits in, so that no row holds more than `capacity` tokens (a sample longer than
+    `capacity` gets a row of its own; none is ever split). Within a row the samples keep their index order."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r, f in enumerate(free) if f >= lengths[i]]
+        if fits:
+            r = min(fits, key=lambda r: free[r])
+            rows[r].append(i)
+            free[r] -= lengths[i]
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return [sorted(r) for r in rows]
+
+
+def collate(seqs: list[list[int]], starts: list, pad_id: int, packed: bool = False, row_len: int | None = None) -> Batch:
+    """Token lists -> a Batch. The loss targets of sample i are loss_targets(starts[i], len(seqs[i])).
+    `packed`: samples one after another, each with its own positions, attending within itself only: in one
+    row (`row_len` None), or in rows of at most `row_len` tokens (pack_rows), right-padded to the longest row,
+    so that attention costs sum(row^2) instead of (all tokens)^2 and no sample pays for another's padding."""
     n = len(seqs)
     real = sum(len(s) for s in seqs)
     if packed:
-        ids = [t for s in seqs for t in s]
-        pos = [p for s in seqs for p in range(len(s))]
-        seg = [i for i, s in enumerate(seqs) for _ in s]
-        tgt = torch.cat([loss_targets(st, len(s)) for s, st in zip(seqs, starts)]).long().tolist()
-        ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
-        t = lambda x: torch.tensor([x])  # noqa: E731
-        # No mask tensor: the documents (doc = segment) and positions say it (attention.model_inputs).
-        return Batch(t(ids), t(pos), None, t(tgt), t(seg), torch.stack([torch.zeros_like(ends), ends], 1), n, real,
-                     doc=t(seg), branch=torch.zeros((1, len(ids)), dtype=torch.long), layout="packed")
+        rows = pack_rows([len(s) for s in seqs], row_len) if row_len else [list(range(n))]
+        ids, pos, seg, tgt, last = [], [], [], [], [[0, 0]] * n
+        for r, members in enumerate(rows):
+            ids.append([t for i in members for t in seqs[i]])
+            pos.append([p for i in members for p in range(len(seqs[i]))])
+            seg.append([i for i in members for _ in seqs[i]])
+            tgt.append([m for i in members for m in _target_list(starts[i], len(seqs[i]))])
+            end = -1
+            for i in members:
+                end += len(seqs[i])
+                last[i] = [r, end]
+        T = max(len(x) for x in ids)
+        seg = _padded(seg, n, T)
+        doc = torch.where(seg < n, seg, -1)  # -1: padding
+        # No mask tensor: the documents (doc) and positions say it (attention.model_inputs).
+        return Batch(_padded(ids, pad_id, T), _padded(pos, 0, T), None, _padded(tgt, 0, T), seg,
+                     torch.from_numpy(np.array(last, dtype=np.int64)), n, real, doc=doc,
+                     branch=torch.zeros(seg.shape, dtype=torch.long), layout="packed")
     T = max(len(s) for s in seqs)
     ids = _padded(seqs, pad_id, T)
     att = _padded([[1] * len(s) for s in seqs], 0, T)

@@ -140,12 +140,17 @@ def target_logps(engine, b) -> torch.Tensor:
 def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
     """Token lists -> a Batch. `pairs`: seqs are k chosen then k rejected of the same prompts, collated as k
     rows sharing the prompt (rlhf_core.train.batches.collate_pairs) unless packing_samples packs them or flash
-    attention runs (its varlen kernel has no shared prefix: the pair's sequences go apart; attention.py)."""
-    if pairs and not spec["packing_samples"] and not spec.get("attn_implementation", "sdpa").startswith("flash"):
+    attention runs (its varlen kernel has no shared prefix: the pair's sequences go apart; attention.py).
+    packing_samples packs into rows of at most spec["max_len"] tokens (batches.pack_rows; TRL's bins of
+    max_length), except in one row where attention already stays within each sample (flash attention's varlen
+    kernel reads a single row's position resets) or where ring attention splits the row over ranks."""
+    flash = spec.get("attn_implementation", "sdpa").startswith("flash")
+    if pairs and not spec["packing_samples"] and not flash:
         k = len(seqs) // 2
         b = collate_pairs(seqs[:k], starts[:k], seqs[k:], starts[k:], pad_id)
     else:
-        b = collate(seqs, starts, pad_id, packed=spec["packing_samples"])
+        one_row = flash or ring.size() > 1
+        b = collate(seqs, starts, pad_id, packed=spec["packing_samples"], row_len=None if one_row else spec.get("max_len"))
         b = ring.local_batch(b, pad_id) if ring.size() > 1 else b  # this rank's slice of the packed row
     moe.note_tokens(b)  # its real tokens, for the MoE load-balancing loss (aux_loss_coef)
     return b

@@ -50,7 +50,7 @@ class TrainFields(BaseModel):
     adam_offload: bool = Field(False, description="ZeRO-offload optimizer states to CPU.")
     max_epochs: int = Field(1, ge=1, description="Passes over the data.")
     seed: int = Field(42, description="Seed of data order and initialisation.")
-    packing_samples: bool = Field(False, description="Pack a micro-batch into one row (per-sample position ids, no cross-sample attention).")
+    packing_samples: bool = Field(False, description="Pack a micro-batch into rows of at most max_len tokens (one row under flash attention or ring attention; per-sample position ids, no cross-sample attention).")
     length_bucketing: bool = Field(True, description="Batch samples of similar length (less padding).")
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0: full fine-tuning).")
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha.")
@@ -176,8 +176,8 @@ TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr",
                  "max_ckpt_num", "save_hf_ckpt", "overlap_comm", "deepcompile",
                  "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
                  "wandb_project", "wandb_run_name"}
-SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "max_len", "overlong", "eval_dataset",
-                                             "eval_split", "eval_holdout", "max_eval_samples"}
+SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "overlong", "eval_dataset",  # max_len: the
+                                             "eval_split", "eval_holdout", "max_eval_samples"}  # packed rows' budget
 
 
 # Methods that train with dropout off unless disable_dropout says otherwise: TRL's DPOConfig, RewardConfig and

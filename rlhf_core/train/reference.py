@@ -70,13 +70,14 @@ def _spec_forward(model, spec: dict):
 def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
             zero_stage: int = 0, batch_size: int = 16, packing_samples: bool = False, launcher: str = "deepspeed",
             num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None,
-            attn_implementation: str = "sdpa") -> tuple[list[float], list[float], float]:
+            attn_implementation: str = "sdpa", max_len: int | None = None) -> tuple[list[float], list[float], float]:
     """(chosen, rejected) summed response log-probs of every record in record order, and the seconds the
     forwards took (model loaded; a job's start and load are left out, as training's train_seconds does).
-    `attn_implementation`: as the trainer's (its masks and, under flash attention, its pair layout)."""
+    `attn_implementation`: as the trainer's (its masks and, under flash attention, its pair layout); `max_len`:
+    with packing_samples, the token budget of a packed row (entry.batch_of; None: one row per batch)."""
     spec = {"method": "reference", "model_dir": str(model_dir), "pad_id": pad_id, "bf16": bf16,
             "zero_stage": zero_stage, "batch_size": batch_size, "packing_samples": packing_samples,
-            "work_dir": str(work_dir), "attn_implementation": attn_implementation}
+            "work_dir": str(work_dir), "attn_implementation": attn_implementation, "max_len": max_len}
     if launcher == "inline":
         model = _load(spec, "cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.perf_counter()

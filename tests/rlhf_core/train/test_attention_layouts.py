@@ -80,16 +80,29 @@ def _placeholder(seqs) -> int:
     return int(ids[counts.argmax()])
 
 
+def _rows(seqs) -> dict:
+    """packing_samples with a row budget that packs these samples into several rows of several samples each
+    (the longest and the shortest fit together; not all of them do)."""
+    lens = sorted(map(len, seqs))
+    rows = batches.pack_rows(list(map(len, seqs)), lens[-1] + lens[0])
+    assert 1 < len(rows) < len(seqs), rows
+    return {"packing_samples": True, "max_len": lens[-1] + lens[0]}
+
+
 # method -> (what the layout computes, its ground truth), both fn(policy, reward, seqs, starts, pad)
 CASES = {
     "sft/kto packed": (lambda p, r, s, st, pad: forward(p, {"packing_samples": True}, s, st, pad)[0],
                        lambda p, r, s, st, pad: _two_rows_lm(p, s, st, pad)),
+    "sft/kto packed rows": (lambda p, r, s, st, pad: forward(p, _rows(s), s, st, pad)[0],
+                            lambda p, r, s, st, pad: _two_rows_lm(p, s, st, pad)),
     "dpo/kto-reference pairs": (lambda p, r, s, st, pad: forward(p, {"packing_samples": False}, s, st, pad, pairs=True)[0],
                                 lambda p, r, s, st, pad: _two_rows_lm(p, s, st, pad)),
     "rm pairs": (lambda p, r, s, st, pad: rm.rewards(r, {"packing_samples": False}, s, st, pad)[0],
                  lambda p, r, s, st, pad: _two_rows_rm(r, s, pad)),
     "rm packed": (lambda p, r, s, st, pad: rm.rewards(r, {"packing_samples": True}, s, st, pad)[0],
                   lambda p, r, s, st, pad: _two_rows_rm(r, s, pad)),
+    "rm packed rows": (lambda p, r, s, st, pad: rm.rewards(r, _rows(s), s, st, pad)[0],
+                       lambda p, r, s, st, pad: _two_rows_rm(r, s, pad)),
     "prm packed": (lambda p, r, s, st, pad: prm.reward_logits(p, s, pad, _placeholder(s), [5, 6], packed=True)[0],
                    lambda p, r, s, st, pad: prm.reward_logits(p, s, pad, _placeholder(s), [5, 6], packed=False)[0]),
 }

@@ -69,3 +69,41 @@ def test_kd_step_mixes_nll_and_distillation_by_kd_coef(tiny):
     assert next(teacher.parameters()).device.type == "cpu" and n0 == sum(len(r["ids"]) for r in recs)
     _, same, _ = kd.step(student, spec(1.0, student), recs, pad)
     assert same["kl"].abs().max().item() < 1e-5 and (same["distill"] > 0).all()
+
+
+@pytest.mark.parametrize("spec", [{"packing_samples": False}, {"packing_samples": True},
+                                  {"packing_samples": True, "max_len": 40},
+                                  {"packing_samples": False, "attn_implementation": "eager"}],
+                         ids=["padded", "packed", "packed-rows", "eager"])
+def test_kto_kl_pairs_on_the_prompt_cache_equal_the_whole_forward(tiny, spec):
+    """kto's KL pairs forwarded on the examples' KV cache (the shared prompt not forwarded again) give the log-probs
+    and gradients of forwarding each pair whole, and forward fewer tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.inputs import models
+
+    tok = models.load_tokenizer(tiny.policy_dir)
+    rows = data.pairs_to_kto([{"prompt": f"Here is a review of the {t} I saw:", "chosen": f"great {t} , really .",
+                               "rejected": f"bad {t} ."} for t in ("tea", "movie", "book", "car", "song")])
+    kto = methods.get("kto")
+    recs, _ = kto.tokenize(rows, tok, 64, seed=3)
+    impl = spec.get("attn_implementation", "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir), dtype=torch.float32,
+                                                 attn_implementation=impl).eval()
+    pad = tok.pad_token_id
+    got = kto._kl_on_prefix(model, {**spec, "attn_implementation": impl}, recs, pad)
+    assert got is not None
+    lp, kl_lp, tokens = got
+    lp.sum().backward()
+    g1 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    lp2, kl2, tokens2 = kto._apart(model, {**spec, "attn_implementation": impl}, recs, pad)
+    lp2.sum().backward()
+    torch.testing.assert_close(lp, lp2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kl_lp, kl2, rtol=1e-5, atol=1e-5)
+    assert not kl_lp.requires_grad
+    for a, b in zip(g1, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    prompts = sum(kto.shared_prefix(r) for r in recs)
+    assert prompts > 0 and tokens == tokens2 - prompts
