@@ -1,7 +1,8 @@
 """deployments/slurm/rlhf_ray.sbatch without SLURM: the script itself starts a Ray head and one worker node as
 local processes (its srun steps become plain commands), waits until both are alive in the job API, and runs a
 score stage command against them (the script appends ray_address=http://HEAD:PORT, so the stage runs as a Ray
-Job); its two engines need a CPU each and each node has one, so the worker node must have joined. When the
+Job); the job's entrypoint holds one of the head's two CPUs (entrypoint_num_cpus=1) and its two engines need a CPU
+each, so the worker node (one CPU) must have joined. When the
 script exits, no process it started is left."""
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_the_sbatch_script_runs_a_stage_on_its_ray_nodes_without_slurm(tiny, s3_
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=VENV_BIN + os.pathsep + env.get("PATH", ""), RLHF_NODES="127.0.0.1 127.0.0.1",
                RAY_PORT=str(free_port()), RAY_DASHBOARD_PORT=str(dash), RAY_DASHBOARD_HOST="127.0.0.1",
-               RAY_HEAD_ARGS=" ".join(["--num-cpus", "1", "--temp-dir", str(tmp / "ray"), "--ray-client-server-port",
+               RAY_HEAD_ARGS=" ".join(["--num-cpus", "2", "--temp-dir", str(tmp / "ray"), "--ray-client-server-port",
                                        str(free_port()), "--object-store-memory", str(100 * 1024 ** 2), *head_ports]),
                RAY_WORKER_ARGS=" ".join(["--num-cpus", "1", "--node-ip-address", "127.0.0.1",
                                          "--object-store-memory", str(100 * 1024 ** 2), *worker_ports]),

@@ -34,11 +34,11 @@ SMALL = {"max_len": 64, "prompt_max_len": 32, "max_new_tokens": 8, "train_batch_
          "launcher": "python"}
 SMALL_PPO = {"generate_max_len": 8, "max_samples": 8, "n_samples_per_prompt": 2, "actor_num_gpus_per_node": 1,
              "critic_num_gpus_per_node": 1, "vllm_num_engines": 1, "rollout_backend": "hf", "reward_max_len": 64,
-             "save_steps": 0, "micro_rollout_batch_size": 2, "ref_num_gpus_per_node": 1,
+             "save_steps": 0, "micro_rollout_batch_size": 2, "ref_num_gpus_per_node": 1, "reward_num_gpus_per_node": 1,
              # vLLM's and CUDA's own flags off: the engine is HF on this CPU host
              "vllm_tensor_parallel_size": 1, "vllm_gpu_memory_utilization": 0.95, "enforce_eager": False,
              "enable_prefix_caching": False, "vllm_enable_sleep": False, "deepspeed_enable_sleep": False,
-             "ref_reward_offload": False}  # one step of one rollout engine (HF on CPU), one rank per group
+             "ref_reward_offload": False, "attn_implementation": "sdpa"}  # one step of one rollout engine (HF on CPU), one rank per group
 
 
 def scaled_down(raw: dict, params_cls) -> dict:

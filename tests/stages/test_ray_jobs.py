@@ -259,13 +259,16 @@ def test_the_job_entrypoint_reads_back_as_the_same_config():
     assert back == cfg.model_copy(update={"ray_address": "auto"})
 
 
-def test_the_job_gets_the_store_credentials_and_the_run_lock_fence_and_nothing_else(monkeypatch):
+def test_the_job_gets_the_store_credentials_the_hub_token_and_the_run_lock_fence_and_nothing_else(monkeypatch):
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/keys/sa.json")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "azkey")
     monkeypatch.setenv(store.FENCE_ENV, '{"uri": "s3://b/run/_LOCK", "token": "t"}')
-    monkeypatch.setenv("HF_TOKEN", "not-the-store's")
+    monkeypatch.setenv("HF_TOKEN", "hub-token")  # the job fetches hub models with it (issue 37)
+    monkeypatch.setenv("SOME_OTHER_TOKEN", "not-for-the-job")
     env = ray_jobs.job_env()
-    assert {"GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_ACCOUNT_KEY", store.FENCE_ENV} <= set(env)
-    assert env[store.FENCE_ENV] == '{"uri": "s3://b/run/_LOCK", "token": "t"}' and "HF_TOKEN" not in env
+    assert {"GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_ACCOUNT_KEY", store.FENCE_ENV, "HF_TOKEN"} <= set(env)
+    assert env[store.FENCE_ENV] == '{"uri": "s3://b/run/_LOCK", "token": "t"}' and env["HF_TOKEN"] == "hub-token"
+    assert "SOME_OTHER_TOKEN" not in env
     assert {k for k in env if k.startswith("AWS_")} == {k for k in os.environ if k.startswith("AWS_")}
-    assert all(k.startswith(("AWS_", "GOOGLE_", "AZURE_STORAGE_")) or k == store.FENCE_ENV for k in env)
+    assert all(k.startswith(("AWS_", "GOOGLE_", "AZURE_STORAGE_")) or k in (store.FENCE_ENV, *store.SECRET_ENV)
+               for k in env)
