@@ -9,6 +9,7 @@ policy update. rlhf_core.ppo.weight_sync delivers them: `join_weights` once, the
 """
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class HFRollout:
     them)."""
 
     release_above_gb: float | None = RELEASE_ABOVE_GB
+    share_prefill = True  # n > 1: each prompt's prefill once, its cache repeated for the n samples (prompt_cache)
 
     def __init__(self, model_dir: str, bf16: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,9 +101,15 @@ class HFRollout:
         attn = torch.zeros_like(ids)
         for r, p in enumerate(prompt_ids):
             ids[r, width - len(p):], attn[r, width - len(p):] = torch.tensor(p), 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        cache = self.prompt_cache(ids, attn, n) if self.share_prefill and n > 1 and width > 1 else None
+        if cache is not None:  # the n samples' rows, their prompts already forwarded but for the last token
+            ids, attn, n_return = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0), 1
+        else:
+            n_return = n
         rec = _SampledLogprobs(temperature)
-        seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n,
+        seqs = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, past_key_values=cache,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n_return,
                                    max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
                                    eos_token_id=sorted(self.eos_ids), logits_processor=[rec], use_cache=True,
                                    **({"min_new_tokens": min_new_tokens} if min_new_tokens else {}),
@@ -114,6 +122,23 @@ class HFRollout:
             k = stop or len(seq)
             out[r // n].append({"ids": seq[:k], "logprobs": lp[r, :k].tolist(), "finish_reason": "stop" if stop else "length"})
         return out
+
+    def prompt_cache(self, ids: torch.Tensor, attn: torch.Tensor, n: int):
+        """The KV cache of each left-padded prompt but its last token, forwarded once and repeated for its n
+        samples (rows r*n .. r*n+n-1, the order num_return_sequences gives), or None where the model's cache cannot
+        be repeated. transformers' generate expands every prompt n times before its prefill, so a group of n
+        samples (GRPO, RLOO, REINFORCE++-baseline) forwards its prompt n times; TRL's GRPOTrainer repeats the
+        prompts in its sampler and does the same. With the cache given, generate forwards only each row's last
+        prompt token and then samples as before: the same logits, so with the same seed the same tokens (fp32,
+        up to rounding). Position ids as generate makes them from the mask (cumsum - 1, 0 at the padding)."""
+        pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        cache = self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos[:, :-1], use_cache=True,
+                           **keep).past_key_values
+        if not hasattr(cache, "batch_repeat_interleave"):
+            return None
+        cache.batch_repeat_interleave(n)
+        return cache
 
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()

@@ -197,8 +197,12 @@ def test_reference_and_hf_rollout_move_their_inputs(tiny):
     on_meta(eng.model)
     eng.device = META
     device_guard(eng.model, stop_after_first=True)
-    # generate reads a value of its inputs' special-token check before the first forward: on meta inputs that
-    # fails there (they reached the model's device); CPU inputs would pass it and hit the guard's AssertionError
+    # n > 1: the prompts' shared prefill is the first forward (the guard checks its inputs, then stops it)
+    with pytest.raises(StopForward):
+        eng.generate([[5, 6, 7], [8, 9]], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=0)
+    # generate's own path reads a value of its inputs' special-token check before the first forward: on meta inputs
+    # that fails there (they reached the model's device); CPU inputs would pass it and hit the guard's AssertionError
+    eng.share_prefill = False
     with pytest.raises(RuntimeError, match="meta tensors"):
         eng.generate([[5, 6, 7], [8, 9]], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=0)
 
