@@ -72,7 +72,7 @@ class HFRollout:
     them)."""
 
     release_above_gb: float | None = RELEASE_ABOVE_GB
-    share_prefill = True  # n > 1: each prompt's prefill once, its cache repeated for the n samples (prompt_cache)
+    share_prefill = True  # each distinct prompt's prefill once, its cache selected for the rows repeating it
 
     def __init__(self, model_dir: str, bf16: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -96,20 +96,17 @@ class HFRollout:
         min_tokens / repetition_penalty, transformers' processors of those names)."""
         release_cached(getattr(self, "release_above_gb", RELEASE_ABOVE_GB))
         torch.manual_seed(seed)
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)  # (P, W) left padded
+        rows = [p for p in prompt_ids for _ in range(n)]  # the order num_return_sequences gives: r*n .. r*n+n-1
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (P*n, W) left padded
         attn = torch.zeros_like(ids)
-        for r, p in enumerate(prompt_ids):
+        for r, p in enumerate(rows):
             ids[r, width - len(p):], attn[r, width - len(p):] = torch.tensor(p), 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        cache = self.prompt_cache(ids, attn, n) if self.share_prefill and n > 1 and width > 1 else None
-        if cache is not None:  # the n samples' rows, their prompts already forwarded but for the last token
-            ids, attn, n_return = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0), 1
-        else:
-            n_return = n
+        cache = self.prompt_cache(ids, attn, rows) if self.share_prefill and width > 1 else None
         rec = _SampledLogprobs(temperature)
         seqs = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, past_key_values=cache,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=n_return,
+                                   temperature=temperature, top_p=top_p, top_k=top_k,
                                    max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
                                    eos_token_id=sorted(self.eos_ids), logits_processor=[rec], use_cache=True,
                                    **({"min_new_tokens": min_new_tokens} if min_new_tokens else {}),
@@ -123,21 +120,28 @@ class HFRollout:
             out[r // n].append({"ids": seq[:k], "logprobs": lp[r, :k].tolist(), "finish_reason": "stop" if stop else "length"})
         return out
 
-    def prompt_cache(self, ids: torch.Tensor, attn: torch.Tensor, n: int):
-        """The KV cache of each left-padded prompt but its last token, forwarded once and repeated for its n
-        samples (rows r*n .. r*n+n-1, the order num_return_sequences gives), or None where the model's cache cannot
-        be repeated. transformers' generate expands every prompt n times before its prefill, so a group of n
-        samples (GRPO, RLOO, REINFORCE++-baseline) forwards its prompt n times; TRL's GRPOTrainer repeats the
-        prompts in its sampler and does the same. With the cache given, generate forwards only each row's last
-        prompt token and then samples as before: the same logits, so with the same seed the same tokens (fp32,
-        up to rounding). Position ids as generate makes them from the mask (cumsum - 1, 0 at the padding)."""
+    def prompt_cache(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[list[int]]):
+        """The KV cache of every left-padded row of `ids` (`rows`: their prompts) but its last token, each
+        distinct prompt forwarded once and its cache selected for every row that repeats it; None where no row
+        repeats another (or the model's cache cannot be selected from). The n samples of a group (GRPO, RLOO,
+        REINFORCE++-baseline) reach the engine as n equal prompts (rlhf_core.rollout.episodes sends each episode's
+        prompt with n = 1): transformers' generate, like TRL's GRPOTrainer (its sampler repeats each prompt), would
+        forward each prompt n times. With the cache given, generate forwards each row's last prompt token and
+        samples as before: the same logits, so with the same seed the same tokens (fp32, up to rounding). Position
+        ids as generate makes them from the mask."""
+        first: dict[tuple, int] = {}  # a distinct prompt -> its first row
+        which = [first.setdefault(tuple(p), r) for r, p in enumerate(rows)]
+        if len(first) == len(which):
+            return None
+        uniq = sorted(first.values())
+        which = [uniq.index(r) for r in which]  # row -> its distinct prompt's place among the forwarded
         pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
-        cache = self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos[:, :-1], use_cache=True,
-                           **keep).past_key_values
-        if not hasattr(cache, "batch_repeat_interleave"):
+        cache = self.model(input_ids=ids[uniq, :-1], attention_mask=attn[uniq, :-1], position_ids=pos[uniq, :-1],
+                           use_cache=True, **keep).past_key_values
+        if not hasattr(cache, "batch_select_indices"):
             return None
-        cache.batch_repeat_interleave(n)
+        cache.batch_select_indices(torch.tensor(which, device=ids.device))
         return cache
 
     def peak_memory_gb(self) -> float:
