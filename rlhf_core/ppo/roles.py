@@ -142,18 +142,17 @@ class Learner:
     def generate(self, *args, **kwargs) -> list[list[dict]]:
         """vllm_num_engines 0: policy rank 0 generates the rollouts with the model it trains (OpenRLHF without
         vLLM generates with the actor's own HF model), the engines' call (engines.HFRollout.generate)."""
-        from types import SimpleNamespace
-
         from transformers import AutoTokenizer
 
         from rlhf_core.inputs import models
         from rlhf_core.ppo.engines import HFRollout
 
         tok = AutoTokenizer.from_pretrained(self.model_dir)
-        me = SimpleNamespace(model=self.module, device=self.device, pad_id=models.pad_id(tok, self.model_dir),
-                             eos_ids=set(models.eos_ids(tok, self.model_dir)))
+        me = HFRollout.__new__(HFRollout)  # an engine over the trained module (its shared prefill included)
+        me.model, me.device, me.pad_id = self.module, self.device, models.pad_id(tok, self.model_dir)
+        me.eos_ids = set(models.eos_ids(tok, self.model_dir))
         self.module.eval()
-        return HFRollout.generate(me, *args, **kwargs)
+        return me.generate(*args, **kwargs)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
