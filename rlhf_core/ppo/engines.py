@@ -69,7 +69,7 @@ class HFRollout:
     ids (up to and including EOS) and each sampled token's log-prob under the tempered distribution
     log_softmax(logits / T) out (the policy that sampled it, before top-p / top-k truncation). On CUDA each
     generation first hands back the allocator's cached blocks above `release_above_gb` (release_cached; None keeps
-    them)."""
+    them). Rows that repeat a prompt (a group's n samples) share its prefill (prompt_cache)."""
 
     release_above_gb: float | None = RELEASE_ABOVE_GB
     share_prefill = True  # each distinct prompt's prefill once, its cache selected for the rows repeating it
