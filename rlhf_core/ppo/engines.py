@@ -136,7 +136,10 @@ class HFRollout:
         uniq = sorted(first.values())
         which = [uniq.index(r) for r in which]  # row -> its distinct prompt's place among the forwarded
         pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        # the last position's logits only (a PEFT wrapper passes the keyword on to its base model): all of them
+        # would be (prompts, W, V), tens of GB at a 128k vocabulary
+        core = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(core.forward).parameters else {}
         cache = self.model(input_ids=ids[uniq, :-1], attention_mask=attn[uniq, :-1], position_ids=pos[uniq, :-1],
                            use_cache=True, **keep).past_key_values
         if not hasattr(cache, "batch_select_indices"):

@@ -62,3 +62,19 @@ def test_the_episodes_repeated_prompts_share_their_prefill(tiny):
     eng.prompt_cache = lambda *a: calls.append(a)
     eng.generate([[5], [5]], **kw)  # one-token prompts: nothing before the last token
     assert calls == []
+
+
+def test_the_shared_prefill_of_a_peft_policy_keeps_one_position_of_logits(tiny):
+    """A LoRA-wrapped policy (the learner's module with lora_rank) takes logits_to_keep through to its base model:
+    the prefill computes the last position's logits only, not (prompts, W, V), and samples as generate does."""
+    from peft import LoraConfig, get_peft_model
+
+    eng = HFRollout(str(tiny.policy_dir))
+    eng.model = get_peft_model(eng.model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    widths = []
+    eng.model.get_output_embeddings().register_forward_hook(lambda m, a, out: widths.append(out.shape[1]))
+    kw = dict(n=3, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=5)
+    shared, _ = generate(eng, True, **kw)
+    assert widths[0] == 1  # the prefill's head: one position per prompt
+    plain, _ = generate(eng, False, **kw)
+    same(plain, shared)
