@@ -19,6 +19,7 @@ import torch
 
 from rlhf_core.rl import logprobs, losses
 from rlhf_core.train import adamw, checkpoints, compile_engine, deepspeed_options, no_lone_allreduce, ring, schedule
+from rlhf_core.runtime import faults
 from rlhf_core.train import attention
 from rlhf_core.train import memory, moe
 from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
@@ -437,8 +438,7 @@ def main(spec_ref: str) -> None:
     engine.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing act only in train mode
     t0, tokens_done = time.time(), 0
     for step in range(start, total):
-        if spec.get("step_sleep"):
-            time.sleep(spec["step_sleep"])
+        faults.pause_step(spec.get("step_sleep") or 0.0)  # tests slow a job to kill it mid-run (runtime.faults)
         acc: dict[str, float] = {}
         lr = sched.get_last_lr()[0]  # this step's lr (the engine's step moves the schedule on)
         for mb in plan.micro_batches(step, drank):

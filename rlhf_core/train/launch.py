@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, model_validator
 
 from rlhf_core.inputs import data, models
-from rlhf_core.runtime import jobs
+from rlhf_core.runtime import faults, jobs
 from rlhf_core import store
 from rlhf_core.train import attention, checkpoints
 
@@ -73,7 +73,6 @@ class TrainFields(BaseModel):
                                "artifact under hf_checkpoints/step-N/ (OpenRLHF --save_hf_ckpt), kept after the run.")
     resume: bool = Field(True, description="Continue from the latest checkpoint of the same job; false deletes checkpoints.")
     log_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
-    debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a job).")
     stall_timeout_s: float = Field(1800.0, gt=0, description="Kill the job and fail when it prints no line for this long.")
     upload_retries: int = Field(3, ge=0, description="Retries of the final upload (the model stays on local disk).")
     use_tensorboard: bool = Field(False, description="TensorBoard event files of every step in the artifact's tensorboard/.")
@@ -174,7 +173,7 @@ class SourceFields(BaseModel):
 
 TRAIN_RUNTIME = {"launcher", "num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "save_steps", "resume",
                  "max_ckpt_num", "save_hf_ckpt", "overlap_comm", "deepcompile",
-                 "log_steps", "debug_step_sleep", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
+                 "log_steps", "stall_timeout_s", "upload_retries", "use_tensorboard", "use_wandb",
                  "wandb_project", "wandb_run_name"}
 SPEC_KEYS = set(TrainFields.model_fields) - {"dataset_uri", "max_samples", "overlong", "eval_dataset",  # max_len: the
                                              "eval_split", "eval_holdout", "max_eval_samples"}  # packed rows' budget
@@ -344,7 +343,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
             "data_path": str(work / "data.parquet"), "work_dir": str(work), "ckpt_uri": ckpt_uri,
             "storage_options": store.check_no_secrets(cfg.storage_options), "fingerprint": w.fingerprint,
             "pad_id": models.pad_id(tokenizer, model_dir), "resume_dir": str(resume_dir) if resume_dir else None,
-            "resume_uri": meta["uri"] if meta else None, "resume": meta, "step_sleep": cfg.debug_step_sleep,
+            "resume_uri": meta["uri"] if meta else None, "resume": meta, "step_sleep": faults.step_sleep(),
             "model_uri": model_uri or str(model_dir), "data_uri": store.join(job_uri, "data.parquet"),
             "eval_path": str(work / "eval.parquet") if eval_records else None,
             "disable_dropout": method in DROPOUT_OFF if cfg.disable_dropout is None else cfg.disable_dropout,
