@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from rlhf_core import store
+from rlhf_core.runtime import faults
 from rlhf_core.demo import demo_task
 from rlhf_core.store import versions
 from tests.conftest import die_with_parent
@@ -249,7 +250,8 @@ def _left(marker: str, pid: int, run_name: str) -> list[str]:
 def test_runs_that_set_only_run_name_keep_the_rest_and_a_run_killed_mid_training_resumes_with_the_ui_s_retry(
         pages, demo_run, tmp_path):
     """`iterative-dpo/small` (the shipped demo entry with small models, 1 iteration, DPO checkpointing every step
-    and sleeping 2 s per step) on the page's pool and worker. Its schedule sets only run_name (`scheduled`), and so
+    and sleeping 1.5 s per step: the deployment's env job variable sets rlhf_core.runtime.faults' variable) on the
+    page's pool and worker. Its schedule sets only run_name (`scheduled`), and so
     does a `prefect deployment run --params` (`ui-2`): both use every other setting of the deployment. `ui-2` is
     killed with -9 (the flow process alone) once DPO has checkpointed step 1; the worker reports it Crashed; the
     UI's Retry (its API call) reruns the same flow run, which resumes DPO from the checkpoint and completes with
@@ -257,10 +259,11 @@ def test_runs_that_set_only_run_name_keep_the_rest_and_a_run_killed_mid_training
     pages.page("deployments.md")  # the pool and its worker (no --limit: it runs both runs at once)
     api, root = pages.api, str(tmp_path / "runs")
     small = _small(demo_run, root, micro_train_batch_size=4, train_batch_size=4, learning_rate=5.0e-4, lr_warmup_ratio=0.0,
-                   save_steps=1, debug_step_sleep=1.5)  # 4 steps, a checkpoint after each
+                   save_steps=1)  # 4 steps, a checkpoint after each
     start = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=45)).isoformat()  # after the deploy and the
     _deploy(pages, tmp_path, [{"name": "small", "entrypoint": "flows/iterative_dpo.py:iterative_dpo",  # scheduler's 5 s loop
-                               "parameters": {"params": small}, "work_pool": {"name": "rlhf-cpu"},
+                               "parameters": {"params": small}, "work_pool": {"name": "rlhf-cpu",
+                                                                              "job_variables": {"env": {faults.STEP_SLEEP: "1.5"}}},
                                "schedules": [{"interval": 86400, "anchor_date": start,
                                               "parameters": {"params": {"run_name": "scheduled"}}}]}])
     out = pages.run(f"prefect deployment run 'iterative-dpo/small' --params '{json.dumps({'params': {'run_name': 'ui-2'}})}'")

@@ -21,6 +21,7 @@ import yaml
 
 from rlhf_core.demo import demo_task
 from rlhf_core import store
+from rlhf_core.runtime import faults
 from rlhf_core.train import checkpoints
 from stages.common import ConfigError
 from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifests
@@ -71,8 +72,7 @@ def test_stages_on_two_pools_then_a_dead_training_worker_and_a_resume(demo_run, 
                          sft={}, train_rm={}, lock_lease_s=15,
                          generate={"num_engines": 0, "best_of_n": 2, "rollout_batch_size": 16, "max_new_tokens": 12},
                          eval={"samples_per_prompt": 2, "max_new_tokens": 12}, reference={"max_len": 48},
-                         dpo={"max_len": 48, "micro_train_batch_size": 8, "train_batch_size": 8, "save_steps": 1,
-                              "debug_step_sleep": 2.0},  # slow steps: the kill lands mid-training
+                         dpo={"max_len": 48, "micro_train_batch_size": 8, "train_batch_size": 8, "save_steps": 1},
                          pools={"generate": gen_pool, "score": gen_pool, "reference": train_pool, "dpo": train_pool})
     cfg = tmp_path / "pools.yaml"
     cfg.write_text(yaml.safe_dump(params))
@@ -81,9 +81,12 @@ def test_stages_on_two_pools_then_a_dead_training_worker_and_a_resume(demo_run, 
         prefect_server.prefect("work-pool", "create", pool, "--type", "process")
 
     def start_worker(kind: str, pool: str, name: str, n: int) -> subprocess.Popen:
-        # polling every 5 s (Prefect's default: 10 s) is about 2.5 s less hand-over per stage, on average
+        # polling every 5 s (Prefect's default: 10 s) is about 2.5 s less hand-over per stage, on average; the first
+        # training worker's jobs take slow steps (rlhf_core.runtime.faults): the kill lands mid-training
+        slow = {faults.STEP_SLEEP: "2.0"} if (kind, n) == ("train", 1) else {}
         return prefect_server.worker(pool, name, tmp_path / f"worker-{kind}-{n}.log",
-                                     extra_env={**aws, "RLHF_TEST_MARKER": markers[kind], "PREFECT_WORKER_QUERY_SECONDS": "5"})
+                                     extra_env={**aws, "RLHF_TEST_MARKER": markers[kind], "PREFECT_WORKER_QUERY_SECONDS": "5",
+                                                **slow})
 
     workers = {"gen": start_worker("gen", gen_pool, gen_worker, 1), "train": start_worker("train", train_pool, train_worker, 1)}
     try:

@@ -21,20 +21,24 @@ import yaml
 
 from rlhf_core.demo import demo_task
 from rlhf_core import store
+from rlhf_core.runtime import faults
 from tests.flows.flowkit import alive_marked, demo_params, kill_marked, manifests
 
 pytestmark = pytest.mark.slow
 
 
-def _env(tmp_path: Path, home: str, marker: str = "") -> dict:
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / home), RLHF_TEST_MARKER=marker,
+def _env(tmp_path: Path, home: str, marker: str = "", step_sleep: float = 0.0) -> dict:
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / home), RLHF_TEST_MARKER=marker, **{faults.STEP_SLEEP: str(step_sleep)},
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
     env.pop("PREFECT_API_URL", None)  # the harness's API belongs to the test process: use an ephemeral one
     return env
 
 
-def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo", home: str = "prefect") -> subprocess.Popen:
-    env = _env(tmp_path, home, marker)
+def _start(cfg: Path, tmp_path: Path, marker: str, flow: str = "iterative-dpo", home: str = "prefect",
+           step_sleep: float = 0.0) -> subprocess.Popen:
+    """`rlhf-flows run FLOW --config cfg` in its own session; `step_sleep`: seconds each training step sleeps first
+    (rlhf_core.runtime.faults), so that a kill lands mid-training."""
+    env = _env(tmp_path, home, marker, step_sleep)
     exe = Path(sys.executable).parent / "rlhf-flows"
     return subprocess.Popen([str(exe), "run", flow, "--config", str(cfg)], env=env, start_new_session=True,
                             stdout=open(tmp_path / f"run-{marker[-4:]}.log", "w"), stderr=subprocess.STDOUT)
@@ -65,7 +69,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
                          prompt_data=f"{demo_run.inputs}/prompts.jsonl",
                          eval_prompt_data=f"{demo_run.inputs}/eval_prompts.jsonl", gold_reward_file=demo_task.__file__,
                          sft={}, train_rm={}, lock_lease_s=6,
-                         dpo={"save_steps": 1, "debug_step_sleep": 1.0})  # slow steps so the kill lands mid-training
+                         dpo={"save_steps": 1})
     cfg = tmp_path / "kill.yaml"
     cfg.write_text(yaml.safe_dump(params))
 
@@ -79,7 +83,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
 
     # 2. rerun, killed during DPO once a checkpoint is on the store
     marker = uuid.uuid4().hex
-    proc = _start(cfg, tmp_path, marker)
+    proc = _start(cfg, tmp_path, marker, step_sleep=1.0)  # slow steps so the kill lands mid-training
     ckpt = run / "iter-1" / "dpo" / "checkpoints"
     killed_2 = _kill_when(proc, lambda: ckpt.is_dir() and any(ckpt.rglob("*")) and not (ckpt.parent / store.MANIFEST).exists(),
                           marker, "a DPO checkpoint")
@@ -93,7 +97,7 @@ def test_sigkill_during_generation_and_dpo_then_resume(demo_run, tmp_path):
     #    a newer checkpoint, and kept paused past its lock's lease
     marker_a = uuid.uuid4().hex
     first_ckpts = _checkpoints(ckpt)
-    proc_a = _start(cfg, tmp_path, marker_a)
+    proc_a = _start(cfg, tmp_path, marker_a, step_sleep=1.0)  # still training when paused
     deadline = time.time() + 600
     while not (_checkpoints(ckpt) - first_ckpts):
         assert proc_a.poll() is None and time.time() < deadline, (tmp_path / f"run-{marker_a[-4:]}.log").read_text()[-3000:]

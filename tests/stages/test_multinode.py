@@ -17,6 +17,7 @@ import pytest
 
 from rlhf_core.demo import demo_task
 from rlhf_core import store
+from rlhf_core.runtime import faults
 from tests.conftest import free_port, upload_folder
 from tests.flows.flowkit import kill_marked
 
@@ -53,14 +54,16 @@ def test_two_nodes_without_shared_disk_resume_from_the_store(tiny, s3_root, tmp_
     fs.pipe_file(path, "".join(json.dumps(r) + "\n" for r in demo_task.sft_rows(64)).encode())
     out, port, marker = f"{s3_root}/sft", free_port(), f"RLHF_MULTINODE_TEST={uuid.uuid4().hex}"
     cfg = dict(policy_uri=policy, dataset_uri=data, output_uri=out, launcher="torchrun", num_gpus=1, num_nodes=2,
-               master_addr="127.0.0.1", master_port=port, save_steps=2, debug_step_sleep=1.0, train_batch_size=8,
+               master_addr="127.0.0.1", master_port=port, save_steps=2, train_batch_size=8,
                micro_train_batch_size=4, learning_rate=1e-3, max_len=48, zero_stage=2,
                input_template=demo_task.INPUT_TEMPLATE)
     spec_uri, marker_uri = f"{out}/_job/spec.json", f"{out}/checkpoints/step-2/_CHECKPOINT.json"
 
     def env(cache):
         return {**os.environ, "RLHF_FLOWS_CACHE": str(tmp_path / cache), "OMP_NUM_THREADS": "1",
-                marker.split("=")[0]: marker.split("=")[1], "PYTHONPATH": ROOT}
+                marker.split("=")[0]: marker.split("=")[1], "PYTHONPATH": ROOT,
+                # run 1's steps slowed (runtime.faults): the kill lands after the step-2 checkpoint, mid-run
+                faults.STEP_SLEEP: "1.0" if cache.endswith("-a") else ""}
 
     def node0(cache):
         code = f"from stages import sft; print(sft.run(sft.Config(**{cfg!r})).metrics)"

@@ -13,6 +13,7 @@ from rlhf_core.inputs import data, model_inputs
 from rlhf_core.demo import demo_task
 from rlhf_core import store
 from rlhf_core.store import versions
+from rlhf_core.runtime import faults
 from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import checkpoints, launch
 from rlhf_core.train.launch import TrainingIncomplete  # noqa: F401  (part of the contract)
@@ -108,7 +109,7 @@ def test_sft_lora_packed_saves_adapter_and_merged_model(tiny, tmp_path):
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)  # merged LoRA deltas only
 
 
-def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
+def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path, monkeypatch):
     """Kill the training child (launcher + rank) after its first checkpoint; the rerun resumes from it and
     ends at the same step count having seen every sample exactly once per epoch, with the same weights
     (within float tolerance) as the same job run without interruption. With max_ckpt_num 2 the store keeps the two
@@ -119,7 +120,7 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     data_uri = sft_data(s3_root, 64)
     out = f"{s3_root}/sft-resume"
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=data_uri, output_uri=out, save_steps=2,
-                     debug_step_sleep=0.4, max_epochs=2, use_tensorboard=True, max_ckpt_num=2, save_hf_ckpt=True, **FAST)
+                     max_epochs=2, use_tensorboard=True, max_ckpt_num=2, save_hf_ckpt=True, **FAST)
     fs, path = store.filesystem(out)
     killed, live = [], {}
 
@@ -137,8 +138,10 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
 
     th = threading.Thread(target=killer, daemon=True)
     th.start()
+    monkeypatch.setenv(faults.STEP_SLEEP, "0.4")  # slow steps: the kill lands mid-run
     with pytest.raises(JobFailed, match="killed by signal 9"):
         sft.run(cfg)
+    monkeypatch.delenv(faults.STEP_SLEEP)
     th.join()
     assert killed and not store.committed_any(out)
     meta = checkpoints.latest(f"{out}/checkpoints", _fp(cfg))
@@ -147,7 +150,7 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     assert kept == sorted([f"step-{meta['step'] - 2}", f"step-{meta['step']}"])  # max_ckpt_num 2: the newest two
     assert fs.exists(f"{path}/hf_checkpoints/step-2/model.safetensors")
     assert [s for s, _ in live["sft/loss"]][:2] == [1, 2], live  # written live, one event per step
-    m = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))  # runtime field: same fingerprint
+    m = sft.run(cfg)
     assert m.metrics["resumed_from_step"] == meta["step"] > 0
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 16 and m.metrics["samples_seen"] == 128
     with fs.open(f"{path}/training_log.json") as f:
@@ -167,7 +170,7 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path):
     assert weights(tmp_path / "hf2").keys() == weights(model_inputs.fetch_model(out)).keys()
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2")) is not None
     # the same job uninterrupted (another output_uri: same seed and data) ends with the same weights
-    straight = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0, "output_uri": f"{s3_root}/sft-straight"}))
+    straight = sft.run(cfg.model_copy(update={"output_uri": f"{s3_root}/sft-straight"}))
     assert straight.metrics["resumed_from_step"] == 0
     resumed, uninterrupted = weights(model_inputs.fetch_model(out)), weights(model_inputs.fetch_model(straight.uri))
     assert resumed.keys() == uninterrupted.keys()

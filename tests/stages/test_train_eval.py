@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from rlhf_core.inputs import data, models
 from rlhf_core.demo import demo_task
 from rlhf_core import store
+from rlhf_core.runtime import faults
 from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import batches, checkpoints, entry, launch, schedule
 from stages import dpo, reference, sft
@@ -148,7 +149,7 @@ def test_disable_dropout_in_process(tiny):
     assert lora.p == 0.2
 
 
-def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, s3_root, tmp_path):
+def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, s3_root, tmp_path, monkeypatch):
     """eval_holdout 0.2 of 40 rows: 8 rows never trained on, evaluated at each epoch's end (eval_steps unset,
     OpenRLHF's -1). The job is killed after its step-4 checkpoint (after epoch 1's eval); the rerun resumes and
     the history holds each evaluation once. eval_nll equals the saved model's NLL on the held-out rows."""
@@ -158,8 +159,7 @@ def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, 
     out = f"{s3_root}/sft-eval"
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=uri, output_uri=out, eval_holdout=0.2, max_epochs=2,
                      input_template=demo_task.INPUT_TEMPLATE, learning_rate=1e-3, train_batch_size=8,
-                     micro_train_batch_size=4, max_len=48, lr_warmup_ratio=0.0, save_steps=4, debug_step_sleep=0.3,
-                     use_tensorboard=True)
+                     micro_train_batch_size=4, max_len=48, lr_warmup_ratio=0.0, save_steps=4, use_tensorboard=True)
     killed = []
 
     def killer():
@@ -176,11 +176,13 @@ def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, 
 
     th = threading.Thread(target=killer, daemon=True)
     th.start()
+    monkeypatch.setenv(faults.STEP_SLEEP, "0.3")  # slow steps: the kill lands mid-run
     with pytest.raises(JobFailed, match="killed by signal 9"):
         sft.run(cfg)
+    monkeypatch.delenv(faults.STEP_SLEEP)
     th.join()
     assert killed and not store.committed_any(out)
-    m = sft.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))
+    m = sft.run(cfg)
     met = m.metrics
     assert met["resumed_from_step"] == 4 and met["steps_done"] == 8
     assert met["eval_rows"] == 8 and met["samples_seen"] == 64 and met["rows"] == 32
