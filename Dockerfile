@@ -33,7 +33,7 @@ COPY deployments deployments
 RUN pip install --upgrade pip setuptools wheel packaging ninja psutil einops \
  && pip install -c requirements/gpu-constraints.txt torch \
  && FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=8 \
-    pip install --no-build-isolation -c requirements/gpu-constraints.txt ".[gpu]" prefect-docker \
+    pip install --no-build-isolation -c requirements/gpu-constraints.txt ".[gpu]" ".[tracking]" prefect-docker \
  && python -c "import rlhf_core, stages.generate, flows.iterative_dpo, flash_attn"
 
 CMD ["prefect", "worker", "start", "--pool", "rlhf-gpu-docker", "--type", "docker"]

@@ -3,7 +3,7 @@
 so the page, `rlhf-flows import-openrlhf` and the stages cannot disagree.
 
 A row is an OpenRLHF flag whose default (read from OpenRLHF's argparse parsers at v0.9.5, v0.9.10 and v0.11.0:
-flows/openrlhf_flags.yaml `defaults`) differs from the default of the stage key the importer maps it to. The
+flows/openrlhf/flags.yaml `defaults`) differs from the default of the stage key the importer maps it to. The
 importer writes these into an imported command's YAML by itself; a config written by hand gets the stage's.
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def differences() -> list[dict]:
     """One dict per (OpenRLHF module, flag) whose OpenRLHF default differs from its stage key's default."""
     import importlib
 
-    from flows import openrlhf_import as imp
-    from flows.openrlhf_flags import DEFAULTS, FLAGS, STAGES, Fixed, No, NoCounterpart
+    from flows.openrlhf import importer as imp
+    from flows.openrlhf.flags import DEFAULTS, FLAGS, STAGES, Fixed, No, NoCounterpart
 
     rows: dict[tuple, dict] = {}
     for version, modules in DEFAULTS.items():

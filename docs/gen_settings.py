@@ -6,7 +6,7 @@ mkdocs.yml; nothing generated is committed). A page holds markers that this hook
     <!-- settings: flow iterative-dpo --> one table of the flow's Params (stage sections link to their stage)
 
 A table row is the setting's name, type, default, description and the OpenRLHF flag it replaces: the importer's
-tables (flows/openrlhf_import.py: FLAGS, LAUNCHER, DOTTED) inverted, so the reference and `import-openrlhf`
+tables (flows/openrlhf/importer.py: FLAGS, LAUNCHER, DOTTED) inverted, so the reference and `import-openrlhf`
 cannot disagree. A marker naming an unknown stage, flow or file fails the build.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def openrlhf_flags() -> dict[tuple[str, str], list[str]]:
     """(stage, key) -> the OpenRLHF flags the importer turns into that key: its tables' entries, and a flag of
     the key's own name that OpenRLHF's parser has (the importer's rule for a flag its table does not list).
     Each flag with every name it had (v0.9's flat name first, then v0.10+'s dotted ones)."""
-    from flows import openrlhf_import as imp
+    from flows.openrlhf import importer as imp
 
     parsers = json.loads((ROOT / "docs" / "openrlhf_flags.json").read_text())  # module -> {flat: [names]}
     tables = [(imp.FLAGS[m], sections[0], parsers.get(m, {})) for m, sections in imp.STAGES.items()]
@@ -95,8 +95,8 @@ def openrlhf_flags() -> dict[tuple[str, str], list[str]]:
 
 
 def rule_keys(rule) -> list[str]:
-    """The keys one importer rule sets (see the FLAGS comment in flows/openrlhf_import.py)."""
-    from flows.openrlhf_import import No
+    """The keys one importer rule sets (see the FLAGS comment in flows/openrlhf/importer.py)."""
+    from flows.openrlhf.importer import No
 
     if isinstance(rule, No):
         return []

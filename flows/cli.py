@@ -7,7 +7,7 @@
     rlhf-flows gc URI --keep N                             delete all but the N newest versions of each artifact
     rlhf-flows gc --cache-max-gb N                         shrink this machine's model cache to N GB (LRU first)
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
-    rlhf-flows import-openrlhf FILE|- [-o OUT.yaml]        an OpenRLHF launch command or script -> stage YAML
+    rlhf-flows import-openrlhf FILE|- [-o OUT.yaml] [-- ARG...]  an OpenRLHF launch script (ARGs: its $1...) -> stage YAML
     rlhf-flows watch URI [--once] [--interval S]           a Prefect event when data files land under URI
     rlhf-flows plan FILE [key=value ...] [--gpu-memory-gb 80]   the ppo memory plan per phase, GPU and role
 
@@ -336,6 +336,7 @@ def parser() -> argparse.ArgumentParser:
                         "or v0.10+ dotted flags) into the equivalent stage YAML, each key commented with its flag")
     im.add_argument("file", help="shell script or command line (- reads stdin)")
     im.add_argument("-o", "--output", help="write the YAML to this file (default: stdout)")
+    im.add_argument("args", nargs="*", metavar="-- ARG", help="the script's own arguments ($1 $2 ...), after --")
     w = sub.add_parser("watch", parents=[debug], help="emit a Prefect event (rlhf.data.landed) when new prompt or "
                        "preference files appear under URI; a deployment trigger starts a loop on it (flows/watch.py)")
     w.add_argument("uri", help="prefix to watch: a folder or s3://bucket/prefix (any fsspec URI)")
@@ -362,6 +363,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     `run F k=v --config C`): argparse stops filling a trailing nargs="*" positional once an option was seen."""
     p = parser()
     a, extra = p.parse_known_args(argv)
+    if getattr(a, "cmd", None) == "import-openrlhf" and extra[:1] == ["--"]:  # `FILE -o OUT -- ARG...`
+        a.args, extra = [*a.args, *extra[1:]], []
     if extra and (not hasattr(a, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
@@ -409,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             with show_progress(a.progress_every, getattr(a, "debug", False)):
                 return cmd_stage(a.name, a.config, a.overrides)
         if a.cmd == "import-openrlhf":
-            from flows import openrlhf_import
+            from flows.openrlhf import importer
 
-            return openrlhf_import.main(a.file, a.output)
+            return importer.main(a.file, a.output, a.args)
         if a.cmd == "watch":
             from flows import watch
 

@@ -24,8 +24,9 @@ AgentExecutorBase) runs each episode itself (CustomExecutor: `llm_engine` is an 
 engines, vLLM's generate shape, token in, token out; one executor instance per run, as OpenRLHF makes one per
 engine) and its `reward` is the episode's. A file without AgentExecutor runs its AgentInstance; an older
 OpenRLHF AgentExecutor whose `__init__` takes arguments (v0.8's) runs the file's AgentInstance. ppo's
-`agent_executor_path` names an executor file directly. Files written for OpenRLHF run after changing
-`from openrlhf.utils.agent import ...` to `from rlhf_core.rollout.agent import ...`.
+`agent_executor_path` names an executor file directly. Files written for OpenRLHF load unchanged: while the file
+loads, `openrlhf.utils.agent` is this module (`from openrlhf.utils.agent import AgentInstanceBase, ...`), and
+afterwards the name is taken back out, so a real OpenRLHF install is what every other import sees.
 
 Sampling parameters: the agent gets a SamplingParams of every setting the rollout engines honour (temperature,
 top_p, top_k, max_tokens, min_tokens, repetition_penalty, stop, stop_token_ids, include_stop_str_in_output,
@@ -46,6 +47,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -166,10 +168,36 @@ def _import(path: str, key: str):
     spec = importlib.util.spec_from_file_location(f"rlhf_agent_{abs(hash(str(p.resolve())))}", str(p))
     mod = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(mod)
+        with _as_openrlhf_agent():
+            spec.loader.exec_module(mod)
     except Exception as e:  # the user's file: any import error
         raise AgentError(f"{key} {path}: importing it failed: {type(e).__name__}: {e}") from e
     return mod
+
+
+@contextmanager
+def _as_openrlhf_agent():
+    """`openrlhf.utils.agent` names this module while an agent file loads (OpenRLHF's files import their bases from
+    there). Its parent packages are stand-ins only where OpenRLHF is not installed (an installed one still serves
+    the file's other `openrlhf.*` imports); every name is restored afterwards."""
+    import sys
+    import types
+
+    names = ["openrlhf.utils.agent"]
+    if importlib.util.find_spec("openrlhf") is None:
+        names = ["openrlhf", "openrlhf.utils", *names]
+    saved = {n: sys.modules[n] for n in names if n in sys.modules}
+    for n in names[:-1]:
+        sys.modules.setdefault(n, types.ModuleType(n, "a stand-in while an OpenRLHF agent file loads"))
+    sys.modules["openrlhf.utils.agent"] = sys.modules[__name__]
+    try:
+        yield
+    finally:
+        for n in names:
+            if n in saved:
+                sys.modules[n] = saved[n]
+            else:
+                sys.modules.pop(n, None)
 
 
 def _defines_execute(cls) -> bool:

@@ -3,7 +3,10 @@ v0.10.1 and v0.9.10, and v0.9.5's kto / kd / prm / csft / iterative-DPO / reject
 tests/flows/openrlhf_commands/TAG/, each citing its source path, tag and commit) imports into a stage or flow
 config that validates, or is refused in one line with the true reason; every flag of every command is a
 commented key or listed with its reason; OpenRLHF's defaults of the script's version are carried; bad input is
-one error line; an imported SFT, DPO and PPO command, scaled down with the tiny offline models, run and commit."""
+one error line; an imported SFT, DPO and PPO command, scaled down with the tiny offline models, run and commit.
+Issue 43: scripts written the way research repositories write theirs (tests/flows/openrlhf_commands/research/,
+this project's own text) are read as bash and OpenRLHF read them, form by form; the importer's own accounting of
+every flag runs on every script here."""
 from __future__ import annotations
 
 import json
@@ -14,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows import cli, openrlhf_import as imp
-from flows.openrlhf_shell import find_commands
+from flows import cli
+from flows.openrlhf import importer as imp
+from flows.openrlhf.shell import find_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ROOT / "tests" / "flows" / "openrlhf_commands"
@@ -40,6 +44,7 @@ EXPECTED = {
 
 
 REMOVED = ("train_kto", "train_kd", "train_prm", "batch_inference")  # modules OpenRLHF dropped after v0.9.5
+RESEARCH = COMMANDS / "research"  # scripts in the way research repositories write them (this project's own text)
 
 
 def imported(name: str) -> tuple[str, dict]:
@@ -527,3 +532,246 @@ def test_issue_37_flags_map_to_the_new_settings():
                                        "--dataset_split test_prefs"))
     assert d["prepare"]["data"] == "org/pairs@test_prefs"
 
+
+
+# ---------------------------------------------------------------------------------------------- issue 43
+def accounted(text: str, script: str, folder: Path | None = None, args: list[str] | None = None) -> None:
+    """The test's own check beside the importer's: each flag of each command the script runs is named in a comment
+    of the output (a key's, or a listed one)."""
+    cmds = find_commands(script, folder, args) if args else find_commands(script, folder)
+    assert cmds
+    for cmd in cmds:
+        for flag, _ in [*cmd.launcher, *cmd.flags]:
+            assert re.search(rf"#.*(?<![\w.-])--{re.escape(flag)}(?![\w.-])", text), f"--{flag} dropped"
+
+
+def research(name: str, *args: str) -> tuple[str, dict]:
+    script = (RESEARCH / name).read_text()
+    text = imp.import_text(script, name, RESEARCH, list(args)) if args else imp.import_text(script, name, RESEARCH)
+    accounted(text, script, RESEARCH, list(args))
+    return text, yaml.safe_load(text)
+
+
+def inline(script: str) -> tuple[str, dict]:
+    text = imp.import_text(script, "cmd.sh")
+    accounted(text, script)
+    return text, yaml.safe_load(text)
+
+
+RESEARCH_ARGS = {"rm_args.sh": ["8b", "2"]}  # the script's own arguments, as `-- 8b 2` passes them
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RESEARCH.glob("*.sh")))
+def test_every_research_script_imports_or_is_refused_in_one_line(name):
+    """Each of them: a config that validates with every flag named, or (the missing backslash) one error line."""
+    if name == "ppo_missing_backslash.sh":
+        with pytest.raises(imp.CommandError) as e:
+            research(name)
+        assert "\n" not in str(e.value)
+        return
+    research(name, *RESEARCH_ARGS.get(name, []))
+
+
+def test_the_accounting_fails_on_a_flag_no_comment_names(monkeypatch):
+    """imp.unaccounted finds a flag that neither a key's comment nor a listed line names, and import_text refuses
+    to print such an output (as an importer bug) rather than drop the flag without a word."""
+    script = "deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset ./d --packing_samples --bf16"
+    text = imp.import_text(script)
+    cmds = find_commands(script)
+    assert imp.unaccounted(text, cmds) == []
+    lost = "\n".join(line for line in text.splitlines() if "--bf16" not in line)
+    assert imp.unaccounted(lost, cmds) == ["--bf16"]
+    monkeypatch.setattr(imp, "render", lambda converted, source: lost)
+    with pytest.raises(imp.CommandError, match=r"--bf16 would be dropped without a word"):
+        imp.import_text(script)
+
+
+def test_arrays_appends_and_defaults_without_colon():
+    """`A+=(...)` (one line and several, inside an `else`), `VAR+=" --flag"`, `${VAR-x}` and `${VAR:-x}`: every
+    flag appended reaches the command, as bash builds it."""
+    text, d = research("grpo_arrays.sh")
+    p = d["ppo"]
+    assert (p["apply_chat_template"], p["generate_max_len"], p["temperature"], p["seed"], p["log_steps"]) == \
+        (True, 1024, 1.0, 7, 5)
+    assert (p["prompts_uri"], p["output_uri"], p["policy_uri"]) == \
+        ("data/math_train.jsonl", "./runs/grpo_math", "Qwen/Qwen2.5-Math-1.5B")
+    assert "8192" not in text  # the `if` not taken: LONG is unset, so ${LONG:-0} is 0
+
+
+def test_a_backslash_ending_the_file_is_dropped_as_bash_drops_it():
+    script = (RESEARCH / "sft_eof_backslash.sh").read_text()
+    assert script.endswith("\\")
+    _, d = research("sft_eof_backslash.sh")
+    assert (d["sft"]["output_uri"], d["sft"]["num_gpus"], d["sft"]["output_key"]) == ("ckpt/llama-1b-sft", 2, "completion")
+
+
+def test_the_quick_starts_sft_command_has_its_real_newline_and_bf16_named():
+    """OpenRLHF's quick start writes the template as an ANSI-C string, $'User: {}\\nAssistant: ' (a real newline),
+    with --bf16 and --flash_attn (flags of OpenRLHF before v0.9.2 / v0.8)."""
+    text, d = inline("deepspeed --module openrlhf.cli.train_sft \\\n   --max_len 4096 \\\n   --dataset Open-Orca/OpenOrca \\\n"
+                     "   --input_key question \\\n   --output_key response \\\n"
+                     "   --input_template $'User: {}\\nAssistant: ' \\\n   --train_batch_size 256 \\\n"
+                     "   --micro_train_batch_size 2 \\\n   --pretrain meta-llama/Meta-Llama-3-8B \\\n"
+                     "   --save_path ./checkpoint/llama3-8b-sft \\\n   --zero_stage 2 \\\n   --max_epochs 1 \\\n"
+                     "   --packing_samples \\\n   --bf16 \\\n   --flash_attn \\\n   --learning_rate 5e-6\n")
+    s = d["sft"]
+    assert s["input_template"] == "User: {}\nAssistant: " and (s["bf16"], s["attn_implementation"]) == (True, "flash_attention_2")
+    assert re.search(r"^  bf16: true +# --bf16$", text, re.M) and "$User" not in text
+    assert re.search(r"^  input_template: .* # --input_template \$'User: \{\}\\nAssistant: '$", text, re.M)
+
+
+def test_script_arguments_after_a_double_dash(tmp_path, capsys):
+    """`import-openrlhf SCRIPT -- 8b 2`: $1 and $2 as bash gives them to the script (its `case` on the size, the
+    GPU count, an ANSI-C template in a variable); without them the script's ${1:?usage} exits, named."""
+    out = tmp_path / "rm.yaml"
+    assert cli.main(["import-openrlhf", str(RESEARCH / "rm_args.sh"), "-o", str(out), "--", "8b", "2"]) == 0
+    r = yaml.safe_load(out.read_text())["train_rm"]
+    assert (r["base_uri"], r["num_gpus"], r["micro_train_batch_size"], r["output_uri"], r["input_template"]) == \
+        ("org/base-8b", 2, 1, "ckpt/rm-8b", "Human: {}\nAssistant: ")
+    _, d = research("rm_args.sh", "1b")
+    assert (d["train_rm"]["base_uri"], d["train_rm"]["num_gpus"]) == ("org/base-1b", 4)  # ${2:-4}
+    capsys.readouterr()
+    _fails(["import-openrlhf", str(RESEARCH / "rm_args.sh")], capsys,
+           "line 3 exits before one (no script arguments given: pass them after `--`)")
+
+
+def test_a_reward_server_started_beside_the_trainer_is_named_as_its_step():
+    """OpenRLHF's serve_rm in the background, then the trainer on its URL: the trainer imports and the header
+    gives the serve-rm command that replaces the server; a repository's own server is named as the line to keep
+    running. --reward_num_nodes 0 beside a remote reward holds (OpenRLHF starts no reward model)."""
+    text, d = research("ppo_with_rm_server.sh")
+    assert d["ppo"]["remote_rm_url"] == "http://localhost:5000/get_reward" and "reward_num_nodes" not in d["ppo"]
+    step = text.split("# The script also starts (keep it running beside the stage):\n")[1].split("\n")[0]
+    assert step.startswith("#   line 6: `python -m openrlhf.cli.serve_rm --reward_pretrain org/rm-8b --port 5000")
+    assert "here run `rlhf-flows serve-rm org/rm-8b --port 5000 --max-len 4096 --batch-size 8" in step
+    assert "--reward_num_nodes 0: remote_rm_url gives the rewards: OpenRLHF starts no reward model" in text
+    text, d = research("reinforce_fork_server.sh")
+    assert "#   line 3: `python -m verifier.remote_rm --host 0.0.0.0 --port 6000 --workers 16` (the script's own " \
+           "reward server, not OpenRLHF's)" in text
+    with pytest.raises(imp.CommandError, match="--reward_num_nodes 0: OpenRLHF would start no rank for the reward"):
+        imp.import_text("python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --prompt_data ./q --reward_pretrain ./rm "
+                        "--reward_num_nodes 0")
+
+
+def test_kl_0_with_reference_gpus_and_two_reward_urls():
+    """OpenRLHF starts no reference at init_kl_coef 0 (its --ref_* placement holds); two comma-separated reward
+    URLs are servers it shares each batch out among: the first is used, the note names the other."""
+    text, d = research("reinforce_fork_server.sh")
+    p = d["ppo"]
+    assert (p["init_kl_coef"], p["remote_rm_url"]) == (0.0, "http://127.0.0.1:6000/get_reward")
+    assert "ref_num_gpus_per_node" not in p and "ref_num_nodes" not in p
+    assert "--ref_num_gpus_per_node 2: init_kl_coef 0: OpenRLHF starts no reference model" in text
+    assert "every query goes to http://127.0.0.1:6000/get_reward (the stage takes one URL): put " \
+           "http://127.0.0.1:6001/get_reward behind it" in text
+
+
+def test_ring_attention_and_autotp_without_a_gpu_count_take_every_gpu_of_the_node():
+    """`deepspeed` without --num_gpus runs on every GPU of the node: named, with the fewest GPUs the command's own
+    ring_attn_size / ds_tensor_parallel_size need; train_ppo_ray's roles get OpenRLHF's 8 GPUs per node (the
+    README's 4 engines x TP 2 on colocated models, no placement flag given)."""
+    text, d = research("sft_ring_attention.sh")
+    assert (d["sft"]["num_gpus"], d["sft"]["ring_attn_size"]) == (4, 4)
+    assert "deepspeed without --num_gpus starts a rank on every GPU of the node: num_gpus 4 here (the fewest " \
+           "ring_attn_size needs)" in text
+    _, d = inline("deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset ./d --ds.tensor_parallel_size 2 "
+                  "--train_batch_size 16")
+    assert d["sft"]["num_gpus"] == 2
+    _, d = inline("python3 -m openrlhf.cli.train_ppo_ray --vllm_num_engines 4 --vllm_tensor_parallel_size 2 "
+                  "--colocate_all_models --pretrain ./p --reward_pretrain ./rm --prompt_data ./q")
+    p = d["ppo"]
+    assert [p[f"{r}_num_gpus_per_node"] for r in ("actor", "critic", "ref", "reward")] == [8, 8, 8, 8]
+
+
+def test_process_substitution_redirects_stay_out_of_the_flags():
+    _, d = research("sft_ring_attention.sh")  # ... --save_path ckpt/sft-longctx > >(tee -a logs/sft.log) 2> >(...)
+    assert d["sft"]["output_uri"] == "ckpt/sft-longctx"
+
+
+def test_a_trainer_launched_by_its_file_with_cuda_visible_devices():
+    """`deepspeed openrlhf/cli/train_dpo.py` after `export CUDA_VISIBLE_DEVICES=0,1`: train_dpo on 2 ranks;
+    --flash_attn reaches the reference pass too (dpo refuses a reference pass of another kernel); `json@DIR` is
+    the folder; --optim adam holds (AdamW)."""
+    text, d = research("dpo_by_path.sh")
+    assert list(d) == ["prepare", "reference", "dpo"]
+    assert d["dpo"]["num_gpus"] == d["reference"]["num_gpus"] == 2
+    assert d["dpo"]["attn_implementation"] == d["reference"]["attn_implementation"] == "flash_attention_2"
+    assert d["prepare"]["data"] == "data/pairs,org/more-pairs"
+    assert "--optim adam: AdamW" in text.split("hold here without a key:")[1]
+    _, d = inline("deepspeed --module openrlhf.cli.train_dpo --pretrain ./p --dataset ./pairs --flash_attn")
+    assert d["reference"]["attn_implementation"] == "flash_attention_2"
+    _, d = inline("python3 /src/OpenRLHF/openrlhf/cli/train_sft.py --pretrain ./b --dataset ./d")
+    assert d["sft"]["policy_uri"] == "./b"
+
+
+def test_a_missing_backslash_mid_command_is_named_with_its_lines(capsys):
+    _fails(["import-openrlhf", str(RESEARCH / "ppo_missing_backslash.sh")], capsys,
+           "ppo_missing_backslash.sh lines 8-10: `--vllm_sync_backend nccl --vllm_enable_sleep --deepspeed_enable_sleep` "
+           "is a command of its own: line 7 ends openrlhf.cli.train_ppo_ray (line 3) without a backslash")
+
+
+def test_a_docs_fragment_ending_in_dots_is_read_with_a_note():
+    text, d = inline("python3 -m openrlhf.cli.train_ppo_ray \\\n   --pretrain ./p \\\n   --prompt_data ./q \\\n"
+                     "   --agent_func_path ./agent.py \\\n   ... # other training args\n")
+    assert d["ppo"]["agent_func_path"] == "./agent.py"
+    assert "`...` (line 5): the command is a fragment" in text
+
+
+def test_a_wandb_key_goes_to_the_credentials_never_the_yaml():
+    text, d = inline("deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset ./d --use_wandb 0123abcdkey "
+                     "--use_tensorboard ./tb/run1")
+    assert "0123abcdkey" not in text and d["sft"]["use_wandb"] is True and d["sft"]["use_tensorboard"] is True
+    assert "--use_wandb KEY: the W&B key is not written here: give it to the run as WANDB_API_KEY" in text
+    assert "credentials_block" in text
+    assert "--use_tensorboard ./tb/run1: the event files go to the artifact's tensorboard/ folder" in text
+
+
+def test_argparse_prefixes_old_flags_and_launcher_placement():
+    """--max_epoch (an unambiguous prefix of --max_epochs), --pretrain_split (train_ppo_ray's until v0.8),
+    --include localhost:0,1,2,3 (4 ranks), --optim adam (AdamW); an ambiguous prefix is named as OpenRLHF's
+    parser refuses it; --include beside --num_gpus is refused as deepspeed refuses it."""
+    text, d = inline("deepspeed --include localhost:0,1,2,3 --module openrlhf.cli.train_sft --pretrain ./b "
+                     "--dataset ./d --max_epoch 3 --optim adam --train_batch_size 64")
+    assert (d["sft"]["max_epochs"], d["sft"]["num_gpus"]) == (3, 4)
+    assert "--max_epoch: OpenRLHF's argparse reads it as --max_epochs" in text and "no counterpart" not in text
+    text, d = inline("python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --prompt_data ./q --reward_pretrain ./rm "
+                     "--pretrain_data ./sft --pretrain_split validation")
+    assert d["ppo"]["pretrain_data"] == "./sft@validation" and "refuses" not in text
+    text, _ = inline("python3 -m openrlhf.cli.train_ppo_ray --pretrain ./p --prompt_data ./q --reward_pretrain ./rm "
+                     "--micro_ 4")
+    assert "--micro_ 4: an ambiguous prefix of --micro_rollout_batch_size, --micro_train_batch_size" in text
+    with pytest.raises(imp.CommandError, match="deepspeed refuses --include / --exclude beside --num_gpus"):
+        imp.import_text("deepspeed --include localhost:0,1 --num_gpus 2 --module openrlhf.cli.train_sft "
+                        "--pretrain ./b --dataset ./d")
+
+
+def test_batch_inference_normalize_reward_without_post_processor():
+    """OpenRLHF reads --normalize_reward of batch_inference in its post-processor only: without one, a no-op."""
+    text, d = inline("deepspeed --module openrlhf.cli.batch_inference --eval_task rm --pretrain ./rm --dataset ./d "
+                     "--output_path ./scores.jsonl --normalize_reward\n")
+    assert list(d) == ["prepare", "score"] and "filter" not in d
+    assert "--normalize_reward: read by --post_processor only, and there is none" in text
+
+
+def test_an_openrlhf_agent_file_loads_unchanged(tmp_path):
+    """An agent file as OpenRLHF's guide writes it (`from openrlhf.utils.agent import ...`) loads as it is; the
+    module name is there for the file only (no `openrlhf` left in sys.modules to shadow a real install)."""
+    import sys
+
+    from rlhf_core.rollout import agent
+
+    f = tmp_path / "agent_func.py"
+    f.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
+                 "class AgentInstance(AgentInstanceBase):\n    async def step(self, states, **kwargs):\n"
+                 "        return {'rewards': 1.0, 'scores': 1.0, 'environment_feedback': '', 'done': True}\n\n\n"
+                 "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n"
+                 "        super().__init__(AgentInstance)\n")
+    before = {m for m in sys.modules if m.split(".")[0] == "openrlhf"}
+    cls = agent.load_agent(str(f))
+    assert cls.__name__ == "AgentInstance" and issubclass(cls, agent.AgentInstanceBase)
+    assert {m for m in sys.modules if m.split(".")[0] == "openrlhf"} == before
+
+
+def test_the_gpu_image_installs_the_tracking_extra():
+    """W&B / TensorBoard (use_wandb / use_tensorboard of imported commands) run in the GPU image."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'pip install --no-build-isolation -c requirements/gpu-constraints.txt "\.\[gpu\]" "\.\[tracking\]"', text)

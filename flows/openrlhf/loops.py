@@ -1,4 +1,4 @@
-"""A script's batch_inference and trainer commands as one pipeline (read by flows/openrlhf_import.py).
+"""A script's batch_inference and trainer commands as one pipeline (read by flows/openrlhf/importer.py).
 
 OpenRLHF's batch_inference `--eval_task rm --post_processor rs|iter_dpo|csft` writes post-processed rows that
 the next trainer reads; here the filter stage does the post-processing, so the trainer reads the filter's output.
@@ -20,7 +20,7 @@ import posixpath
 import re
 from typing import Any, Callable
 
-from flows.openrlhf_flags import flat_name
+from flows.openrlhf.flags import flat_name
 
 FLOWS = {("iter_dpo", "train_dpo"): ("iterative-dpo", {}), ("iter_dpo", "train_kto"): ("iterative-dpo", {"trainer": "kto"}),
          ("rs", "train_sft"): ("raft", {}), ("rs", "train_kd"): ("raft", {"trainer": "kd"}),

@@ -1,4 +1,4 @@
-"""The importer's flag tables (flows/openrlhf_flags.yaml, the data) as the rules flows/openrlhf_import.py applies.
+"""The importer's flag tables (flows/openrlhf/flags.yaml, the data) as the rules flows/openrlhf/importer.py applies.
 
 A rule is a stage key (str), several keys (list), (keys, converter), a callable value -> {key: value}, or
 No(reason); the YAML's header says how each is written there. docs/gen_settings.py inverts the same rules into
@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-DATA = yaml.safe_load((Path(__file__).with_name("openrlhf_flags.yaml")).read_text())
+DATA = yaml.safe_load((Path(__file__).with_name("flags.yaml")).read_text())
 
 
 class No(str):
@@ -71,8 +71,19 @@ def backend(v):  # batch_inference --eval_task: generate (transformers) or gener
     return "vllm" if v == "generate_vllm" else "hf"
 
 
+def include(v):
+    """deepspeed --include HOST[:SLOTS][@HOST[:SLOTS]]: the ranks per node (and nodes) it selects."""
+    hosts = [h for h in str(v).split("@") if h]
+    slots = [len(h.split(":", 1)[1].split(",")) if ":" in h else None for h in hosts]
+    if None in slots:
+        raise NoCounterpart("a host without slots takes every GPU it has: give num_gpus")
+    if len(set(slots)) > 1:
+        raise NoCounterpart(f"{slots} GPUs on the {len(hosts)} hosts: the stages place the same number per node")
+    return {"num_gpus": slots[0], **({"num_nodes": len(hosts)} if len(hosts) > 1 else {})}
+
+
 CONVERTERS = {"steps": steps, "param_dtype": param_dtype, "sync_backend": sync_backend, "text": str,
-              "reward_source": reward_source, "icepop": icepop, "backend": backend}
+              "reward_source": reward_source, "icepop": icepop, "backend": backend, "include": include}
 
 
 def rule(spec) -> Any:
@@ -92,7 +103,7 @@ def rule(spec) -> Any:
         return Fixed(spec["fixed"], spec["why"])
     if set(spec) == {"split_of"}:
         return SplitOf(spec["split_of"])
-    raise ValueError(f"flows/openrlhf_flags.yaml: a rule is KEY, [KEYS], {{not_here}}, {{fixed, why}}, {{split_of}}, "
+    raise ValueError(f"flows/openrlhf/flags.yaml: a rule is KEY, [KEYS], {{not_here}}, {{fixed, why}}, {{split_of}}, "
                      f"{{as}}, {{key, as}} or {{key, value}}: {spec!r}")
 
 
@@ -111,7 +122,15 @@ DEFAULT_WHEN: dict[str, str] = DATA["default_when"]
 VLM_FLAGS: list[str] = DATA["vlm_flags"]
 SERVE_RM: dict[str, Any] = {flag: rule(r) for flag, r in DATA["serve_rm"].items()}
 SERVE_RM_DEFAULTS: dict[str, Any] = DATA["serve_rm_defaults"]
-PARSERS: dict[str, set[str]] = {m: set(names) for m, names in DATA["parsers"].items()}
+PLACEMENT: dict[str, dict[str, Any]] = DATA["placement_defaults"]
+PARSERS: dict[str, set[str]] = {m: set(names) | set(DATA["older_parsers"].get(m, [])) for m, names in DATA["parsers"].items()}
+
+
+def prefixed(module: str, name: str, table: dict) -> list[str]:
+    """The flags of OpenRLHF's parser that `name` abbreviates (argparse's allow_abbrev), when it is no flag itself."""
+    if module not in PARSERS or name in PARSERS[module] or name in table:
+        return []
+    return sorted(f for f in PARSERS[module] if f.startswith(name))
 
 
 def unknown_flag(module: str, name: str) -> str | None:
@@ -120,6 +139,9 @@ def unknown_flag(module: str, name: str) -> str | None:
 
     if module not in PARSERS or name in PARSERS[module]:
         return None
+    if len(many := prefixed(module, name, {})) > 1:
+        return (f"an ambiguous prefix of {', '.join('--' + f for f in many)}: OpenRLHF's {module} parser refuses the "
+                "command")
     near = difflib.get_close_matches(name, PARSERS[module], n=1, cutoff=0.75)
     return (f"not a flag of OpenRLHF's {module} (its parser refuses the command)"
             + (f"; --{near[0]}?" if near else ""))
@@ -135,7 +157,7 @@ def version_of(module: str, dotted: bool) -> str:
 def defaults(module: str, dotted: bool, written: set[str]) -> list[tuple[str, Any]]:
     """(flag, OpenRLHF's default) for the flags a command omits, each applying under its DEFAULT_WHEN."""
     out = []
-    for flag, value in DEFAULTS[version_of(module, dotted)].get(module, {}).items():
+    for flag, value in {**DEFAULTS[version_of(module, dotted)].get(module, {}), **PLACEMENT.get(module, {})}.items():
         when = DEFAULT_WHEN.get(flag, "")
         if flag in written or (when[:1] == "+" and when[1:] not in written) or (when[:1] == "-" and when[1:] in written):
             continue

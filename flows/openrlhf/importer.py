@@ -1,29 +1,36 @@
-"""`rlhf-flows import-openrlhf FILE|-`: an OpenRLHF launch command or script -> the equivalent stage or flow YAML.
+"""`rlhf-flows import-openrlhf FILE|- [-- ARG...]`: an OpenRLHF launch command or script -> the equivalent stage or
+flow YAML.
 
-Reads the commands a script launches (`deepspeed --module openrlhf.cli.X`, `python -m`, `torchrun -m`, `ray job
-submit ... --`, inside `srun ... bash -c "..."`, with its variables, bash arrays, heredocs and sourced files:
-flows/openrlhf_shell.py) in both of OpenRLHF's dialects: the flat flags of v0.9 (`--pretrain`,
-`--micro_train_batch_size`) and the dotted flags of v0.10.2+ (`--model.model_name_or_path`,
-`--train.micro_batch_size`). A dotted flag is first renamed to the flat flag it replaced, so both dialects go
-through one table per module and give the same YAML; each key's comment names the flag as written. The tables
-are data: flows/openrlhf_flags.yaml, read by flows/openrlhf_flags.py.
+The script is read as bash reads it (flows/openrlhf/shell.py: quoting and ANSI-C strings, arrays and appends,
+here documents, sourced files, functions, decidable `if`s, `bash -c`, the ARGs as $1 $2 ...), and every command
+that launches `openrlhf.cli.X` (`deepspeed --module`, `python -m`, `torchrun -m`, `ray job submit ... --`, or
+`python openrlhf/cli/X.py`) is read as OpenRLHF's argparse reads it, in both of its dialects: the flat flags of
+v0.9 (`--pretrain`) and the dotted flags of v0.10.2+ (`--model.model_name_or_path`), an unambiguous prefix being
+the flag it abbreviates (`--max_epoch`). A dotted flag is first renamed to the flat flag it replaced, so both
+dialects go through one table per module and give the same YAML; each key's comment names the flag as written.
+The tables are data: flows/openrlhf/flags.yaml, read by flows/openrlhf/flags.py.
 
 Every flag of the command is a commented key, or listed at the top: without a counterpart (with the reason), or
-holding here without a key. Flags the command omits get OpenRLHF's default of the version its dialect belongs
-to (flat: v0.9.10; dotted: v0.11.0; kto / kd / prm / batch_inference: v0.9.5) where it differs from the stage's,
-and the header says which version was assumed. Model and dataset hub ids (`org/name[@rev]`) are written as
-given. `batch_inference --post_processor rs|iter_dpo|csft` becomes score then the filter stage, the trainer
-reading the filter's output; a script's generate -> score -> train loop becomes the matching flow
-(flows/openrlhf_loops.py). What has no counterpart at all is refused in one line naming it: serve_rm (with the
-serve-rm command that replaces it), vision-language runs, a setting the stages refuse (named with
-the flags that set it). The YAML is parsed back and validated with each stage's (or the flow's) Config before it
-is printed.
+holding here without a key; the output is checked for it before it is printed (`unaccounted`). Flags the
+command omits get OpenRLHF's default of the version its dialect belongs to (flat: v0.9.10; dotted: v0.11.0; kto
+/ kd / prm / batch_inference: v0.9.5) where it differs from the stage's, and the header says which version was
+assumed; placement too: train_ppo_ray's 8 GPUs per node for each role it starts, and `deepspeed` without
+--num_gpus (every GPU of the node: named, with the fewest GPUs the command's own settings need). Model and
+dataset hub ids (`org/name[@rev]`) are written as given, OpenRLHF's `json@DIR` as the folder DIR; a W&B key
+is never written (the note says where it goes). `batch_inference --post_processor rs|iter_dpo|csft` becomes score
+then the filter stage, the trainer reading the filter's output; a script's generate -> score -> train loop
+becomes the matching flow (flows/openrlhf/loops.py). A reward server the script starts beside the trainer
+(`openrlhf.cli.serve_rm`, a fork's own) is named as the step it is. What has no counterpart at all is refused
+in one line naming it: serve_rm alone (with the serve-rm command that replaces it), vision-language runs, a
+setting the stages refuse (named with the flags that set it), a line bash would fail on. The YAML is parsed back
+and validated with each stage's (or the flow's) Config before it is printed.
 
     rlhf-flows import-openrlhf tests/flows/openrlhf_commands/v0.9.10/train_sft.sh -o sft.yaml
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import sys
@@ -33,9 +40,13 @@ from typing import Any
 
 import yaml
 
-from flows.openrlhf_flags import (DEFAULTS, DOTTED, FLAGS, LAUNCHER, SERVE_RM, SERVE_RM_DEFAULTS, STAGES, VLM_FLAGS,  # noqa: F401
-                                  Fixed, No, NoCounterpart, SplitOf, defaults, flat_name, unknown_flag, version_of)
-from flows.openrlhf_shell import Command, find_commands, unread_sources  # noqa: F401 (the importer's API)
+from flows.openrlhf.flags import (DEFAULTS, DOTTED, FLAGS, LAUNCHER, SERVE_RM, SERVE_RM_DEFAULTS, STAGES,  # noqa: F401
+                                  VLM_FLAGS, Fixed, No, NoCounterpart, SplitOf, defaults, flat_name, prefixed,
+                                  unknown_flag, version_of)
+from flows.openrlhf.shell import Command, Script, ShellError, find_commands, read_script  # noqa: F401 (the API)
+
+SECRETS = {"use_wandb"}  # flags whose value is a key: never written into the YAML
+SOURCES = {"dataset", "prompt_data", "eval_dataset", "pretrain_data"}  # flags naming data sources
 
 
 class CommandError(ValueError):
@@ -55,6 +66,7 @@ class Converted:
     notes: list[str] = field(default_factory=list)
     flow: str | None = None  # a loop imported as this flow's config (sections[""]: its top-level keys)
     header: str = ""
+    steps: list[str] = field(default_factory=list)  # what the script runs beside it (a reward server)
 
 
 def where(cmd: Command) -> str:
@@ -122,16 +134,24 @@ def convert(cmd: Command, generated: set[str] = frozenset()) -> Converted:
     given: dict[str, Any] = {}
     placed: dict[str, list[tuple[str, str]]] = {}  # flag -> the (section, key) it set
     splits: list[tuple[str, str, Any, str]] = []  # (shown, flag, value, source flag) of --dataset_split & co.
-    written = {flat_name(f) for f, _ in cmd.flags}
-    assumed = defaults(cmd.module, dotted, written)
-    for table, flags, default in ((LAUNCHER, cmd.launcher, False), (FLAGS[table_name], cmd.flags, False),
+    flags = [(flag, *as_openrlhf_reads(cmd, flag, value, FLAGS[table_name], out)) for flag, value in cmd.flags]
+    launcher = [(flag, flag if flag in LAUNCHER else flag.replace("-", "_"), value) for flag, value in cmd.launcher]
+    assumed = [(flag, flag, value) for flag, value in defaults(cmd.module, dotted, {n for _, n, _ in flags})]
+    for table, items, default in ((LAUNCHER, launcher, False), (FLAGS[table_name], flags, False),
                                   (FLAGS[table_name], assumed, True)):
-        for flag, value in flags:
-            name = flag if table is LAUNCHER else flat_name(flag)
+        for flag, name, value in items:
             rule = table.get(name, name if name in fields[main] else None)
-            shown = f"--{flag}" + ("" if value is True else f" {' '.join(map(str, value)) if isinstance(value, list) else value}")
+            shown = f"--{flag}" + ("" if value is True else f" {show(value)}")
+            if name in SECRETS and not default and str(value).lower() != "true":
+                shown = f"--{flag} KEY"  # a secret: neither in the YAML nor in its comments
+                out.notes.append(f"--{flag} KEY: the W&B key is not written here: give it to the run as WANDB_API_KEY "
+                                 "(the environment of `rlhf-flows stage`, or for a flow a Prefect Secret block named by "
+                                 'credentials_block holding {"WANDB_API_KEY": "..."}); without it W&B logs offline')
+            if name == "use_tensorboard" and value is not True and not default:
+                out.notes.append(f"--{flag} {show(value)}: the event files go to the artifact's tensorboard/ folder, "
+                                 f"not {show(value)}")
             if default:
-                shown = f"(OpenRLHF {out.version}'s default {shown!r})"
+                shown = f"(OpenRLHF {out.version}'s default '{shown}')"
             if isinstance(rule, SplitOf):
                 if not default:
                     splits.append((shown, name, value, rule.source))
@@ -152,6 +172,8 @@ def convert(cmd: Command, generated: set[str] = frozenset()) -> Converted:
             except NoCounterpart as e:
                 out.unsupported.append(f"{shown}: {e}")
                 continue
+            if default and {(sec, key) for sec, key, _ in keys} & {x for xs in placed.values() for x in xs}:
+                continue  # a flag the command gives sets it (--bf16 beside the default --param_dtype bf16)
             for section, key, v in keys:
                 if key not in fields[section]:  # tests/flows/test_import_openrlhf.py checks the tables name fields
                     out.unsupported.append(f"{shown}: no field {section}.{key} in stages/{section}.py")
@@ -172,8 +194,85 @@ def convert(cmd: Command, generated: set[str] = frozenset()) -> Converted:
                 out.comments[(section, key)] = shown
     for shown, name, value, source in splits:
         name_split(out, shown, str(value), source, placed.get(source, []))
+    if cmd.elided:
+        out.notes.append(f"`...` (line {cmd.elided}): the command is a fragment (as OpenRLHF's docs write them: other "
+                         "flags left out); the flags it does not give take OpenRLHF's defaults")
+    placement(cmd, out)
     wire(cmd, out, given)
     return out
+
+
+def as_openrlhf_reads(cmd: Command, flag: str, value, table: dict, out: Converted) -> tuple[str, Any]:
+    """(the flat flag OpenRLHF's argparse takes it for, the value as OpenRLHF reads it): an unambiguous prefix is the
+    flag it abbreviates; `json@DIR` (OpenRLHF's local files: load_dataset("json", data_dir=DIR)) is the folder DIR,
+    whose files the stages read; several reward URLs: OpenRLHF shares each batch out among them."""
+    name = flat_name(flag)
+    if len(full := prefixed(cmd.module, name, table)) == 1:
+        out.notes.append(f"--{flag}: OpenRLHF's argparse reads it as --{full[0]} (an unambiguous prefix)")
+        name = full[0]
+    if name in SOURCES and isinstance(value, str):
+        local = re.compile(r"^(json|jsonl|csv|parquet|arrow)@(.+)$")
+        sources = [src.strip() for src in value.split(",")]
+        if any(local.match(src) for src in sources):
+            value = ",".join(m.group(2) if (m := local.match(src)) else src for src in sources)
+            out.notes.append(f"--{flag}: OpenRLHF's FORMAT@DIR (its local files, load_dataset(FORMAT, data_dir=DIR)) "
+                             f"read as the folder: {value} (the stages read its json / jsonl / csv / parquet files)")
+    if name == "input_template" and isinstance(value, str) and value and "{}" not in value:
+        out.notes.append(f"--{flag} {show(value)}: no {{}} in it, so OpenRLHF sets it to None (its warning)")
+        value = ""
+    elif name == "input_template" and isinstance(value, str) and "\\n" in value:
+        out.notes.append(f"--{flag} {show(value)}: a backslash and an n, not a newline, as OpenRLHF warns (bash "
+                         "writes a newline as $'...\\n...')")
+    if name == "remote_rm_url" and isinstance(value, str) and "," in value:
+        urls = [u.strip() for u in value.split(",") if u.strip()]
+        if urls[0].endswith(".py"):
+            out.notes.append(f"--{flag}: OpenRLHF loads reward_func from the first file only ({urls[0]}); the rest "
+                             f"({', '.join(urls[1:])}) are not used there either")
+        else:
+            out.notes.append(f"--{flag}: OpenRLHF shares each batch of queries out among these {len(urls)} reward "
+                             f"servers (replicas of one reward); here every query goes to {urls[0]} (the stage takes "
+                             f"one URL): put {', '.join(urls[1:])} behind it, or drop them")
+        value = urls[0]
+    return name, value
+
+
+def show(v) -> str:
+    """A flag's value as a shell word (one line: a newline shows as $'\\n')."""
+    if isinstance(v, list):
+        return " ".join(show(x) for x in v)
+    v = str(v)
+    if any(ord(ch) < 32 for ch in v):
+        return "$'" + v.encode("unicode_escape").decode().replace("'", "\\'") + "'"
+    return shlex.quote(v) if not v or re.search(r"\s", v) else v
+
+
+def placement(cmd: Command, out: Converted) -> None:
+    """`deepspeed` picks its ranks: --include HOST:SLOTS (beside --num_gpus / --num_nodes DeepSpeed refuses it),
+    CUDA_VISIBLE_DEVICES, or every GPU of the node."""
+    main = next(iter(out.sections))
+    if cmd.runner != "deepspeed" or "num_gpus" not in config_class(main).model_fields:
+        return
+    launch = {flag.replace("-", "_") for flag, _ in cmd.launcher}
+    if launch & {"include", "exclude"}:
+        if launch & {"num_gpus", "num_nodes"}:
+            raise CommandError(f"{where(cmd)}: deepspeed refuses --include / --exclude beside --num_gpus / --num_nodes "
+                               "(\"Cannot specify num_nodes/gpus with include/exclude\")")
+        return
+    if "num_gpus" in launch:
+        return
+    s = out.sections[main]
+    if cuda := cmd.env.get("CUDA_VISIBLE_DEVICES"):
+        put(out, main, "num_gpus", len([d for d in cuda.split(",") if d.strip()]),
+            f"(CUDA_VISIBLE_DEVICES={cuda}: deepspeed starts a rank per GPU it lists)")
+        return
+    parallel = {k: s[k] for k in ("ring_attn_size", "ds_tensor_parallel_size") if isinstance(s.get(k), int) and s[k] > 1}
+    need = math.lcm(1, *parallel.values())
+    if need > 1:
+        put(out, main, "num_gpus", need, f"(deepspeed without --num_gpus: every GPU of the node; at least "
+            f"{' and '.join(f'{k} {v}' for k, v in parallel.items())})")
+    out.notes.append(f"deepspeed without --num_gpus starts a rank on every GPU of the node: num_gpus {need} here "
+                     f"({'the fewest ' + ' and '.join(parallel) + ' needs' if parallel else 'the stage default'}): set "
+                     "it to the node's GPU count (the stages take a count, not 'every GPU')")
 
 
 def name_split(out: Converted, shown: str, split: str, source: str, where: list[tuple[str, str]]) -> None:
@@ -249,7 +348,9 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
     """What no single flag gives: the URIs between dpo's three stages, OpenRLHF's rules between flags."""
     s, c = out.sections, out.comments
     main = next(iter(s))
-    out.notes += [f"{v} is not set by a VAR=value line the script runs: replace it" for v in cmd.unresolved]
+    shown = [str(v) for f, v in [*cmd.launcher, *cmd.flags] if flat_name(f) not in SECRETS]  # a key stays unnamed
+    out.notes += [f"{v} is not set by a VAR=value line the script runs: replace it" for v in cmd.unresolved
+                  if any(v in x for x in shown)]
     if cmd.runner == "torchrun" and "launcher" in config_class(main).model_fields:
         put(out, main, "launcher", "torchrun", "(torchrun -m)")
     if cmd.module == "train_dpo":
@@ -273,6 +374,11 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
     if s[main].get("save_hf_ckpt") and not s[main].get("save_steps"):  # OpenRLHF writes the HF folder with a checkpoint
         drop(out, main, "save_hf_ckpt", "no --save_steps, so no checkpoint and no HF folder beside one (OpenRLHF writes none either)")
     if main == "score":
+        if s["filter"] and "method" not in s["filter"]:  # OpenRLHF reads these in its post-processor only
+            for k in list(s["filter"]):
+                out.holds.append(f"{c.pop(('filter', k))}: read by --post_processor only, and there is none: a no-op "
+                                 "in OpenRLHF's batch_inference too (the scores are written as computed)")
+            s["filter"].clear()
         if not s["filter"]:
             del s["filter"]
         else:  # batch_inference applies the post-processor to the scores; here the filter stage does
@@ -292,13 +398,12 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
                              "not a jsonl file")
     if cmd.module == "train_ppo_ray":
         ppo_rules(out, given)
-    elif cmd.module.startswith("train_") and cmd.runner == "deepspeed" and "num_gpus" not in dict(cmd.launcher):
-        out.notes.append("deepspeed without --num_gpus uses every GPU of the node: set num_gpus (default 1 here)")
 
 
 def ppo_rules(out: Converted, given: dict) -> None:
     """OpenRLHF's train_ppo_ray rules between flags, as this stage's keys."""
     p, c = out.sections["ppo"], out.comments
+    roles(out)
     engines = p.get("vllm_num_engines", config_class("ppo").model_fields["vllm_num_engines"].default) > 0
     put(out, "ppo", "rollout_backend", "vllm" if engines else "hf",
         "(--vllm_num_engines > 0: vLLM engines)" if engines else "(no vLLM engines: generate on the actor)")
@@ -333,9 +438,34 @@ def ppo_rules(out: Converted, given: dict) -> None:
              "here they never sleep (a memory saving in OpenRLHF, not a change to what trains)")
     if p.get("vllm_enable_sleep") and not p.get("colocate_all_models"):
         drop(out, "ppo", "vllm_enable_sleep", "OpenRLHF turns it off without --colocate_all_models")
-    if out.version == "v0.9.10" and any(k not in given for k in ("micro_train_batch_size", "micro_rollout_batch_size")):
+    if out.version == "v0.9.10" and any(not c.get(("ppo", k), "").startswith("--")  # a default was assumed
+                                        for k in ("micro_train_batch_size", "micro_rollout_batch_size")):
         out.notes.append("flat flags: OpenRLHF v0.9.10's defaults assumed; v0.10.0 and v0.10.1 (also flat flags) default "
                          "micro_train_batch_size and micro_rollout_batch_size to 1")
+
+
+def roles(out: Converted) -> None:
+    """The roles train_ppo_ray starts (its placement flags name GPUs of the others, which OpenRLHF leaves idle): a
+    reference only with init_kl_coef > 0, a critic only for gae, a reward model only without --remote_rm_url /
+    --agent_func_path. Their placement is listed (a written flag) or dropped (a default)."""
+    p, fields = out.sections["ppo"], config_class("ppo").model_fields
+    value = lambda k: p.get(k, fields[k].default)  # noqa: E731
+    rewards_from = next((k for k in ("reward_func_path", "remote_rm_url", "agent_func_path", "agent_executor_path")
+                         if p.get(k)), None)
+    absent = {"ref": float(value("init_kl_coef")) == 0 and "init_kl_coef 0: OpenRLHF starts no reference model",
+              "critic": value("advantage_estimator") != "gae" and
+              f"advantage_estimator {value('advantage_estimator')}: OpenRLHF starts no critic",
+              "reward": rewards_from is not None and f"{rewards_from} gives the rewards: OpenRLHF starts no reward model"}
+    for role, why in absent.items():
+        for key in (f"{role}_num_nodes", f"{role}_num_gpus_per_node"):
+            if key in p and why:
+                shown = out.comments.pop(("ppo", key))
+                del p[key]
+                if shown.startswith("--"):
+                    out.holds.append(f"{shown}: {why}")
+            elif key in p and p[key] == 0:
+                raise CommandError(f"openrlhf.cli.train_ppo_ray (line {out.line}): {out.comments[('ppo', key)]}: "
+                                   f"OpenRLHF would start no rank for the {role} model this command uses")
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -350,6 +480,9 @@ def render(converted: list[Converted], source: str) -> str:
     for c in converted:
         lines.append(c.header or f"# openrlhf.cli.{c.module} ({c.dialect}; OpenRLHF {c.version}'s defaults): run "
                      + " then ".join(f"`rlhf-flows stage {s} --config THIS_FILE`" for s in c.sections))
+    steps = [st for c in converted for st in c.steps]
+    if steps:
+        lines += ["#", "# The script also starts (keep it running beside the stage):"] + [f"#   {st}" for st in steps]
     for title, items in (("Notes:", [n for c in converted for n in c.notes]),
                          ("Flags without a counterpart here (not in the YAML below):", [u for c in converted for u in c.unsupported]),
                          ("Flags that hold here without a key:", [h for c in converted for h in c.holds])):
@@ -377,9 +510,9 @@ def validate(text: str, converted: list[Converted]) -> list[str]:
     data, host = yaml.safe_load(text), []
     for c in converted:
         if c.flow:
-            from flows import openrlhf_loops
+            from flows.openrlhf import loops
 
-            openrlhf_loops.validate(c.flow, data, lambda msg: CommandError(f"the imported {c.flow} config does not validate: {msg}"))
+            loops.validate(c.flow, data, lambda msg: CommandError(f"the imported {c.flow} config does not validate: {msg}"))
             continue
         for section in c.sections:
             keys, config = dict(data[section]), config_class(section)
@@ -420,16 +553,43 @@ def _named(err: dict, section: str, c: Converted) -> str:
     return f"{section}: {msg}" + (f" ({', '.join(named)})" if named else "")
 
 
-def import_text(text: str, source: str = "<stdin>", folder: Path | None = None) -> str:
-    from flows import openrlhf_loops
+def import_text(text: str, source: str = "<stdin>", folder: Path | None = None, args: list[str] | None = None) -> str:
+    """The YAML of a script's OpenRLHF commands; `args`: the script's own arguments ($1 $2 ...)."""
+    from flows.openrlhf import loops
 
-    commands = find_commands(text, folder)
+    try:
+        script = read_script(text, folder, args, source)
+    except ShellError as e:
+        raise CommandError(f"{source} {e}: bash would refuse the script") from None
+    if script.orphans:
+        first, last, words, cmd = script.orphans[0]
+        lines = f"line {first}" if first == last else f"lines {first}-{last}"
+        raise CommandError(f"{source} {lines}: `{words}` is a command of its own: line {cmd.end} ends "
+                           f"{where(cmd)} without a backslash, so bash runs the trainer without these flags and then "
+                           f"fails on `{words.split()[0]}`; end line {cmd.end} with ` \\` to pass them")
+    trainers = [c for c in script.commands if c.module != "serve_rm"]
+    servers = [c for c in script.commands if c.module == "serve_rm"] if trainers else []  # beside a trainer: a step
+    commands = trainers or script.commands
     if not commands:
-        unread = unread_sources(text, folder)
         raise CommandError(f"{source}: no OpenRLHF command (deepspeed --module openrlhf.cli.X, python -m / torchrun -m "
                            "openrlhf.cli.X, or ray job submit ... -- python3 -m openrlhf.cli.train_ppo_ray)"
-                           + (f"; it runs `{unread[0]}`, which is not beside it: import that file" if unread else ""))
-    converted = openrlhf_loops.join(commands, convert, CommandError)
+                           + (f"; line {script.exit_line} exits before one" + (" (no script arguments given: pass them "
+                              "after `--`)" if not args else f" with the arguments {shlex.join(args)}")
+                              if script.exit_line else "")
+                           + (f"; it runs `{script.unread[0]}`, which is not beside it: import that file"
+                              if script.unread else ""))
+    converted = loops.join(commands, convert, CommandError)
+    first = converted[0]
+    for c in servers:
+        first.steps.append(f"line {c.line}: `{command_text(c)}` (OpenRLHF's reward server): here run "
+                           f"{serve_rm_command(c)}")
+    for srv in script.servers:
+        first.steps.append(f"line {srv.line}{', in ' + srv.source if srv.source else ''}: `{srv.text}` (the "
+                           "script's own reward server, not OpenRLHF's): start it as the script does")
+    first.notes += [f"the script reads {n}, and no argument gives it: read as empty (`rlhf-flows import-openrlhf "
+                    f"{source} -- ARG...` passes the script's arguments)" for n in script.positional]
+    first.notes += [f"line {line}: `{test}` is decided when the script runs: every branch of it was read (its "
+                    "commands found, its assignments not taken)" for line, test in script.undecided]
     seen: set[str] = set()
     for c in converted:
         if clash := set(c.sections) & seen - {""}:
@@ -437,6 +597,9 @@ def import_text(text: str, source: str = "<stdin>", folder: Path | None = None) 
                                "import each from its own file")
         seen |= set(c.sections)
     text = render(converted, source)
+    if lost := unaccounted(text, script.commands):
+        raise CommandError(f"{source}: {', '.join(lost)} would be dropped without a word (an importer bug: every "
+                           "flag is a key's comment or listed)")
     host = validate(text, converted)
     if host:  # the rest validated; these are refused on this host only
         head, rest = text.split("\n", 1)
@@ -445,9 +608,23 @@ def import_text(text: str, source: str = "<stdin>", folder: Path | None = None) 
     return text
 
 
-def main(path: str, output: str | None) -> int:
+def command_text(cmd: Command) -> str:
+    launcher = " ".join(f"--{f}" + ("" if v is True else f" {show(v)}") for f, v in cmd.launcher)
+    flags = " ".join(f"--{f}" + ("" if v is True else f" {show(v)}") for f, v in cmd.flags)
+    return " ".join(x for x in (cmd.runner, launcher, "-m" if not cmd.by_path else "", cmd.by_path or
+                                f"openrlhf.cli.{cmd.module}", flags) if x)
+
+
+def unaccounted(text: str, commands: list[Command]) -> list[str]:
+    """The flags of `commands` that no comment of the output names (each must be a key's comment or listed)."""
+    comments = "\n".join(line[line.index("#"):] for line in text.splitlines() if "#" in line)
+    return [f"--{flag}" for c in commands for flag, _ in [*c.launcher, *c.flags]
+            if not re.search(rf"(?<![\w.-])--{re.escape(flag)}(?![\w.-])", comments)]
+
+
+def main(path: str, output: str | None, args: list[str] | None = None) -> int:
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    out = import_text(text, "stdin" if path == "-" else path, None if path == "-" else Path(path).parent)
+    out = import_text(text, "stdin" if path == "-" else path, None if path == "-" else Path(path).parent, args)
     if output:
         Path(output).write_text(out)
         print(f"wrote {output}", file=sys.stderr)
