@@ -29,6 +29,7 @@ generates on policy rank 0; agent_executor_path runs a file's AgentExecutor (Ope
 """
 from __future__ import annotations
 
+import json
 import shutil
 from typing import ClassVar, Literal
 
@@ -284,6 +285,9 @@ class Config(StageConfig):
         "are allowed), cpu, or auto: gpu when the Ray cluster advertises GPUs (ray.cluster_resources() once the "
         "stage joined ray_address; the stage's own local Ray advertises this host's). The driver's own devices "
         "never decide: a Ray Job's driver runs on the head, a Prefect worker may be a CPU box.")
+    trace_memory: bool = Field(False, description="Record what every role holds on its device at the start and end "
+                               "of each call and commit the run's moments per GPU and role as memory_timeline.json "
+                               "(rlhf_core.ppo.timeline): the memory plan's moments, measured.")
     gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of each GPU (GB = 2**30 bytes) that the "
                                         "memory plan (rlhf_core.ppo.plan, `rlhf-flows plan`) checks the run "
                                         "against before any role starts; default: read from a GPU of the cluster "
@@ -296,7 +300,6 @@ class Config(StageConfig):
     save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
     max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept.")
     resume: bool = Field(True, description="Continue from the latest checkpoint; false deletes them.")
-    debug_step_sleep: float = Field(0.0, ge=0, description="Sleep per step (tests that interrupt a run).")
     log_steps: int = Field(1, ge=1, description="Log a step's line, and its row to TensorBoard / W&B, every N steps and "
                            "at the last (--logging_steps); training_log.json keeps every step.")
     use_tensorboard: bool = Field(False, description="TensorBoard event files of the steps (every figure of "
@@ -310,7 +313,7 @@ class Config(StageConfig):
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-        "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "gpu_memory_gb", "save_steps", "max_ckpt_num", "resume", "debug_step_sleep", "save_hf_ckpt",
+        "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "gpu_memory_gb", "trace_memory", "save_steps", "max_ckpt_num", "resume", "save_hf_ckpt",
         "log_steps", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
@@ -466,6 +469,8 @@ def run(cfg: Config) -> store.Manifest:
     for sub in result.pop("tracked", []):  # the run's TensorBoard / W&B files, written as it went
         w.upload_dir(work / "tracking" / sub, sub)
     w.write_json("training_log.json", history)
+    if cfg.trace_memory:
+        w.write_json("memory_timeline.json", json.loads((work / "memory_timeline.json").read_text()))
     first, last = history[0], history[-1]
     m = w.commit(metrics={**result, "prompts": len(rows), "prompts_truncated": truncated,
                           "first_reward": first["reward"], "last_reward": last["reward"], "last_kl": last["kl"],

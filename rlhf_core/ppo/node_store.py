@@ -138,7 +138,24 @@ def load_checkpoint(learner, meta: dict, fetch: bool = False) -> str | None:
         return None
     learner.engine.load_checkpoint(str(local / meta["tag"] / _group(learner)), tag=meta["tag"])
     shutil.rmtree(local, ignore_errors=True)
+    drop_offload_buffers(learner.engine.optimizer)
     return None
+
+
+def drop_offload_buffers(optimizer) -> int:
+    """Remove DeepSpeed's `*_offload_buffer` entries from the optimizer's state; how many. ZeRO-3's offload_states
+    (deepspeed/runtime/zero/offload_states.py, offload_adam_states) keeps its host copies of Adam's moments in the
+    optimizer state, so a checkpoint saved after a sleep carries them; torch's Optimizer.load_state_dict then casts
+    them to the parameters' device, and the next offload, finding its buffers, copies the moments into those device
+    copies and points the moments at them: they never leave the GPU again (issue 41). Without the entries the next
+    offload makes new host buffers, as on the first sleep."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    dropped = 0
+    for st in getattr(inner, "state", {}).values():
+        for k in [k for k in st if isinstance(k, str) and k.endswith("_offload_buffer")]:
+            del st[k]
+            dropped += 1
+    return dropped
 
 
 # ---------------------------------------------------------------------------------------------- final model

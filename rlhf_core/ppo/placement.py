@@ -18,12 +18,13 @@ class RoleError(RuntimeError):
     """A role's call failed or did not answer within role_timeout_s; the message names the roles and the phase."""
 
 
-def wait_all(refs: list, names: list[str], phase: str, timeout_s: float, error=RoleError) -> list:
+def wait_all(refs: list, names: list[str], phase: str, timeout_s: float, error=RoleError,
+             answered: dict | None = None) -> list:
     """ray.get of every ref (`names[i]` the role behind refs[i]), bounded: a call not answered within `timeout_s`
     raises `error` naming the roles still silent and the phase, never a silent hang (a sleeping vLLM that queues
     a generate, a peer stuck in a collective). The first failure waits a moment for the others to settle, then
     raises one error naming every role that failed, rollout engines first (a dead engine is the cause, a
-    sender's broken connection the consequence)."""
+    sender's broken connection the consequence). `answered`: filled with role -> when its answer came."""
     import ray
 
     pending, failed, deadline = list(refs), [], time.monotonic() + timeout_s
@@ -33,6 +34,8 @@ def wait_all(refs: list, names: list[str], phase: str, timeout_s: float, error=R
             break
         done, pending = ray.wait(pending, num_returns=1, timeout=left)
         failed += [r for r in done if _error(r)]
+        if answered is not None:
+            answered.update({names[refs.index(r)]: time.time() for r in done})
     if failed:
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=2.0)
         failed += [r for r in done if _error(r)]
@@ -135,6 +138,11 @@ def check_resources(plan: list[tuple[str, int]], free: dict, gpu: bool, per_cpu:
                          f"{' and '.join(short)}; free: {free.get('GPU', 0):g} GPUs, {free.get('CPU', 0):g} CPUs")
 
 
+def _was_busy(total: dict, n: int, gpu: bool) -> bool:
+    """Whether the cluster as a whole has room for `n` bundles (so what is missing is held, and may be freed)."""
+    return total.get("CPU", 0) >= 0.01 * n and (not gpu or total.get("GPU", 0) >= n)
+
+
 def pg_layout(plan: list[tuple[str, int]]) -> tuple[list[list[int]], dict[str, tuple[int, int]]]:
     """The placement groups of a bundle plan and each role's (group, bundle index in it). Group 0 holds every
     bundle a learner, reference or reward model uses (PACK); an engine whose bundles no other role shares gets
@@ -173,7 +181,14 @@ def check_engines_on_one_node(plan: list[tuple[str, int]], groups: list[list[int
 
 
 class Roles:
-    """The Ray actors of one run, on one placement group (bundles as bundle_plan says)."""
+    """The Ray actors of one run, on one placement group (bundles as bundle_plan says).
+
+    Setup in OpenRLHF's order (its train_ppo_ray creates the vLLM engines first and, colocated, puts them to sleep
+    before the other models load): engines that share a GPU with another role are created first, and each other role
+    only once they answered (vLLM sizes its KV cache from the GPU's free memory while it profiles, and asserts none was
+    freed meanwhile: another role's allocation would shrink the cache, another's freed temporaries trip the assert);
+    with vllm_enable_sleep they go to sleep before anything else loads. The learners end their setup awake (a resume
+    loads into them then); the first phase change puts them to sleep before any engine wakes (`phase`)."""
 
     def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
                  total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None, gpus: bool | None = None):
@@ -182,7 +197,7 @@ class Roles:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.ppo import engines, node_store, weight_sync
+        from rlhf_core.ppo import engines, node_store, timeline, weight_sync
         from rlhf_core.ppo.roles import Learner, Reference
         from rlhf_core.rollout.reward_model import RMEnsemble
 
@@ -192,13 +207,23 @@ class Roles:
         self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
         self.cfg, self.hp, self.state, self.gpus = cfg, hp, {}, gpus  # state: a sleeping role's (plan.role_states)
         self.timeout = cfg.role_timeout_s
+        self.timeline = timeline.Timeline() if getattr(cfg, "trace_memory", False) else None
+        self.all, self._names = [], []
         n_bundles = 1 + max(b for _, b in self.plan)
         share = [sum(b == i for _, b in self.plan) for i in range(n_bundles)]
-        free = ray.available_resources()  # a Ray Job's driver holds its entrypoint CPU: the roles get the rest
-        cpus = free.get("CPU", 1)
-        per_cpu = max(0.01, min(1.0, cpus / n_bundles))  # on a small CPU host the roles share cores
         gpu = 1 if gpus else 0
-        check_resources(self.plan, free, gpus, per_cpu)  # before any actor starts
+        deadline = time.monotonic() + cfg.ray_timeout_s
+        while True:  # a run just closed on this cluster (a retry, a flow's previous iteration) frees its share lazily
+            free = ray.available_resources()  # a Ray Job's driver holds its entrypoint CPU: the roles get the rest
+            cpus = free.get("CPU", 1)
+            per_cpu = max(0.01, min(1.0, cpus / n_bundles))  # on a small CPU host the roles share cores
+            try:
+                check_resources(self.plan, free, gpus, per_cpu)  # before any actor starts
+                break
+            except ValueError:
+                if time.monotonic() > deadline or not _was_busy(ray.cluster_resources(), n_bundles, gpus):
+                    raise
+                time.sleep(0.5)
         groups, slots = pg_layout(self.plan)
         self.pgs = [placement_group([{"CPU": per_cpu, **({"GPU": gpu} if gpu else {})} for _ in bundles],
                                     strategy="PACK" if g == 0 else "STRICT_PACK")  # an engine's TP ranks: one node
@@ -213,10 +238,39 @@ class Roles:
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pgs[g], placement_group_bundle_index=b,
                                                         placement_group_capture_child_tasks=capture)
             role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name)}}}
-            return ray.remote(cls).options(num_cpus=per_cpu / shared, num_gpus=gpus / shared if gpus else 0,
-                                           scheduling_strategy=strategy, **role_env).remote(*args, **kwargs)
+            if self.timeline is not None:
+                cls = timeline.traced(cls)
+                self.timeline.place(name)
+            actor = ray.remote(cls).options(num_cpus=per_cpu / shared, num_gpus=gpus / shared if gpus else 0,
+                                            scheduling_strategy=strategy, **role_env).remote(*args, **kwargs)
+            self.all.append(actor)
+            self._names.append(name)
+            return actor
 
-        self.all = []
+        # 1. the rollout engines: each engine's bundles in its placement group, its own first, then its
+        # tensor-parallel workers' (for the engine to place them)
+        self.engine_bundles = [[slots[name][1] for name, _ in self.plan if name.split(".")[0] == f"rollout{j}"]
+                               for j in range(cfg.vllm_num_engines)]
+        engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
+        if cfg.vllm_num_engines == 0:  # policy rank 0 generates with its own model (Learner.generate)
+            self.rollouts = []
+        elif cfg.vllm_tensor_parallel_size == 1:
+            self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, gpus=gpu)
+                             for j in range(cfg.vllm_num_engines)]
+        else:  # the engine's TP workers (vLLM's Ray executor) take its bundles' GPUs: the engine itself none
+            self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, capture=True, bundles=self.engine_bundles[j],
+                                   gpus_per_worker=1 / share[dict(self.plan)[f"rollout{j}"]])
+                             for j in range(cfg.vllm_num_engines)]
+        engine_gpus = {b for n, b in self.plan if n.startswith("rollout")}
+        if engine_gpus & {b for n, b in self.plan if not n.startswith("rollout")}:  # a shared GPU: engines first
+            self.wait([e.__ray_ready__.remote() for e in self.rollouts], self.rollouts,
+                      "setting up (rollout engines: loading and profiling)")
+            if cfg.vllm_enable_sleep:
+                self.wait([e.sleep.remote() for e in self.rollouts], self.rollouts,
+                          "setting up (rollout engines: going to sleep)")
+                self.state.update({e: "asleep" for e in self.rollouts})
+
+        # 2. the learners, the reference and the reward models
         # every role runs its model on a GPU when the cluster has them, so each reserves its (share of a) GPU: an
         # actor without a reservation would still see every GPU and use GPU 0
         self.policy = [place(f"policy{r}", Learner, "policy", r, world, gpus=gpu) for r in range(world)]
@@ -234,41 +288,18 @@ class Roles:
                               offload=hp["ref_reward_offload"], rank=r, world=n_rm, sharded=sharded)
                         for r in range(n_rm)] if rms else []
         self.reward = self.rewards[0] if self.rewards else None
-        # each engine's bundles in its placement group, its own first, then its tensor-parallel workers' (for the
-        # engine to place them)
-        self.engine_bundles = [[slots[name][1] for name, _ in self.plan if name.split(".")[0] == f"rollout{j}"]
-                               for j in range(cfg.vllm_num_engines)]
-        engine_cls, engine_args = engines.engine_spec(cfg, policy_dir, max_model_len)
-        if cfg.vllm_num_engines == 0:  # policy rank 0 generates with its own model (Learner.generate)
-            self.rollouts = []
-        elif cfg.vllm_tensor_parallel_size == 1:
-            self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, gpus=gpu)
-                             for j in range(cfg.vllm_num_engines)]
-        else:  # the engine's TP workers (vLLM's Ray executor) take its bundles' GPUs: the engine itself none
-            self.rollouts = [place(f"rollout{j}", engine_cls, *engine_args, capture=True, bundles=self.engine_bundles[j],
-                                   gpus_per_worker=1 / share[dict(self.plan)[f"rollout{j}"]])
-                             for j in range(cfg.vllm_num_engines)]
-        self.all = [*self.policy, *self.critic, *(self.reference or []), *self.rewards, *self.rollouts]
-        self._names = [*(f"policy{r}" for r in range(world)), *(f"critic{r}" for r in range(len(self.critic))),
-                       *(n for n, _ in self.plan if n.startswith("reference")),
-                       *(n for n, _ in self.plan if n.startswith("reward")),
-                       *(f"rollout{j}" for j in range(len(self.rollouts)))]
-        setups, who = [], []
-        # rank 0 binds the group's rendezvous port: it is chosen on rank 0's host, not here
-        for group, model_dir in ((self.policy, policy_dir), (self.critic, critic_dir)):
-            if group:
-                addr, port = self.wait([group[0].rendezvous.remote()], group[:1], "setting up")[0]
-                setups += [a.setup.remote(model_dir, hp, addr, port, total_opt_steps) for a in group]
-                who += group
-        if self.reference and rworld > 1:  # the ZeRO-3 reference ranks join their own group
-            addr, port = self.wait([self.reference[0].rendezvous.remote()], self.reference[:1], "setting up")[0]
-            setups += [a.setup.remote(addr, port) for a in self.reference]
-            who += self.reference
-        if self.rewards and sharded:  # the ZeRO-3 reward ranks join theirs
-            addr, port = self.wait([self.rewards[0].rendezvous.remote()], self.rewards[:1], "setting up")[0]
-            setups += [a.setup.remote(addr, port) for a in self.rewards]
-            who += self.rewards
-        self.wait(setups, who, "setting up")
+        # each group's rank 0 binds its rendezvous port: chosen on rank 0's host, not here; then every setup at once
+        groups = [(g, (lambda a, addr, port, d=d: a.setup.remote(d, hp, addr, port, total_opt_steps)))
+                  for g, d in ((self.policy, policy_dir), (self.critic, critic_dir)) if g]
+        groups += [(self.reference, lambda a, addr, port: a.setup.remote(addr, port))] if self.reference and rworld > 1 \
+            else []
+        groups += [(self.rewards, lambda a, addr, port: a.setup.remote(addr, port))] if self.rewards and sharded else []
+        where = self.wait([g[0].rendezvous.remote() for g, _ in groups], [g[0] for g, _ in groups],
+                          "setting up (rendezvous)")
+        setups = [setup(a, addr, port) for (g, setup), (addr, port) in zip(groups, where) for a in g]
+        who = [a for g, _ in groups for a in g]
+        others = [a for a in self.all if a not in who and a not in self.rollouts]  # constructed, nothing to set up
+        self.wait(setups + [a.__ray_ready__.remote() for a in others], who + others, "setting up")
         if cfg.vllm_num_engines == 0:
             self.rollouts = self.policy[:1]
         self.weights = weight_sync.connect(self, cfg)
@@ -278,24 +309,27 @@ class Roles:
         states of the memory plan (rlhf_core.ppo.plan.role_states, OpenRLHF's order): with deepspeed_enable_sleep
         the learners sleep for generate and sync and wake for train; with vllm_enable_sleep the engines sleep for
         train, wake with their weights only for sync, and get their KV cache back for generate. Without the
-        flags nothing happens."""
+        flags nothing happens. Releases before acquires: every sleep has returned, on every GPU, before any wake is
+        sent (the two sides of a colocated GPU at once would hold both: a learner reloading its optimizer while the
+        engine beside it is still copying its weights out)."""
         from rlhf_core.ppo import plan
 
         want = plan.role_states(self.cfg, name)
-        calls, who = [], []
+        release, acquire = [], []  # (actor, method, args)
         if self.hp["deepspeed_enable_sleep"]:
             for a in [*self.policy, *self.critic]:
                 if self.state.get(a, "awake") != want["learner"]:
-                    calls.append(a.sleep.remote() if want["learner"] == "asleep" else a.wake_up.remote())
-                    who.append(a)
+                    (release if want["learner"] == "asleep" else acquire).append(
+                        (a, "sleep" if want["learner"] == "asleep" else "wake_up", ()))
                     self.state[a] = want["learner"]
         if self.cfg.vllm_enable_sleep:
             for e in self.rollouts:
                 for method, tags in plan.transitions(self.state.get(e, "awake"), want["engine"]):
-                    calls.append(e.sleep.remote() if method == "sleep" else e.wake_up.remote(tags))
-                    who.append(e)
+                    (release if method == "sleep" else acquire).append((e, method, () if method == "sleep" else (tags,)))
                 self.state[e] = want["engine"]
-        self.wait(calls, who, f"entering {name}")
+        for what, calls in ((f"entering {name} (releasing)", release), (f"entering {name}", acquire)):
+            if calls:
+                self.wait([getattr(a, m).remote(*args) for a, m, args in calls], [a for a, _, _ in calls], what)
 
     def holdings(self) -> dict:
         """role -> what it holds on its device now, by the memory plan's kinds (each role's `holdings`)."""
@@ -308,8 +342,27 @@ class Roles:
         return next(n for n, a in zip(self._names, self.all) if a is actor)
 
     def wait(self, refs: list, actors: list, phase: str, error=RoleError) -> list:
-        """wait_all of `refs` (refs[i] a call of actors[i]) within role_timeout_s, errors naming roles and phase."""
-        return wait_all(refs, [self.name(a) for a in actors], phase, self.timeout, error)
+        """wait_all of `refs` (refs[i] a call of actors[i]) within role_timeout_s, errors naming roles and phase;
+        with trace_memory, one moment of the timeline."""
+        answered = {}
+        try:
+            return wait_all(refs, [self.name(a) for a in actors], phase, self.timeout, error, answered)
+        finally:
+            if self.timeline is not None:
+                self.timeline.waited(phase, answered)
+
+    def moment(self, name: str):
+        """trace_memory: a moment of the timeline around the block (the rollout); else nothing."""
+        from contextlib import nullcontext
+
+        return self.timeline.span(name) if self.timeline is not None else nullcontext()
+
+    def memory_timeline(self) -> list[dict]:
+        """trace_memory: every moment of the run so far, per GPU (bundle) and role (rlhf_core.ppo.timeline)."""
+        names = [n for n in self._names if not n.startswith("rollout") or n in dict(self.plan)]
+        actors = [a for a, n in zip(self.all, self._names) if n in names]
+        calls = wait_all([a.calls.remote() for a in actors], names, "reporting the memory timeline", self.timeout)
+        return [m.as_dict() for m in self.timeline.moments(dict(zip(names, calls)), dict(self.plan))]
 
     def gpu_ids(self) -> dict:
         """role -> the GPU ids Ray gave its actor ([] on CPUs; a TP engine's are its workers')."""

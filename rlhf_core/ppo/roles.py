@@ -29,6 +29,7 @@ from rlhf_core.rl import losses, rl_math
 from rlhf_core.ppo import node_store, weight_sync
 from rlhf_core.ppo.forward import (experience, grouped_order, micro_batches, model_kwargs, rows_of, token_outputs,
                                    trimmed)
+from rlhf_core.runtime import residency
 from rlhf_core.runtime.devices import device, peak_memory_gb, to_device, to_host  # noqa: F401  (the roles' helpers)
 from rlhf_core.train import adamw, compile_engine, deepspeed_options, no_lone_allreduce, schedule
 
@@ -84,9 +85,9 @@ class Learner:
         if hp["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_dir, self.hp = model_dir, hp
-        if hp["deepspeed_enable_sleep"] and hp["zero_stage"] == 3 and cuda:
+        if hp["deepspeed_enable_sleep"] and hp["zero_stage"] == 3:
             # ZeRO-3's offload_states moves the states of DeepSpeed's FusedAdam only (it asserts so), the optimizer
-            # OpenRLHF trains with; AdamW all the same
+            # OpenRLHF trains with; AdamW all the same (on a host without CUDA DeepSpeed builds its CPU kernel once)
             from deepspeed.ops.adam import FusedAdam
 
             opt = FusedAdam(model.parameters(), lr=lr, betas=tuple(hp["adam_betas"]), weight_decay=hp["l2"],
@@ -287,41 +288,39 @@ class Learner:
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
 
         cuda = self.device.type == "cuda"
-        self.engine.offload_states(include=[S.optim_states, S.contiguous_grad_buffer, S.hp_params, S.lp_grads],
-                                   pin_memory=cuda, non_blocking=cuda)
+        with residency.moving(to_host=True):
+            self.engine.offload_states(include=[S.optim_states, S.contiguous_grad_buffer, S.hp_params, S.lp_grads],
+                                       pin_memory=cuda, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        self.engine.reload_states()
+        with residency.moving(to_host=False):
+            self.engine.reload_states()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def holdings(self) -> dict:
-        """Bytes this rank holds on its device, by the memory plan's kinds (rlhf_core.ppo.plan): weights (its
-        parameters, its partitions under ZeRO-3), optimizer (fp32 masters and Adam's moments), grads (gradients
-        and DeepSpeed's gradient buffers), each unless DeepSpeed's offload_states moved it off (the optimizer's own
-        `offloaded_states`: so on a CPU host, where host and device are one memory, the report is what a GPU would
-        hold), and gather: the largest bucket the last weight sync held gathered at once."""
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
-
+        """Bytes of device memory this rank holds, by the memory plan's kinds, read from the tensors themselves
+        (rlhf_core.runtime.residency: their device on a GPU; on a host without one, whether an offload moved them):
+        weights (its parameters, its partitions under ZeRO-3), optimizer (fp32 masters, every tensor of the
+        optimizer's state: Adam's moments and any buffer kept beside them), grads (gradients and DeepSpeed's
+        gradient buffers). The weight sync's gathered bucket is held only inside its call (`held_inside`)."""
         opt = self.engine.optimizer
-        off = set(getattr(opt, "offloaded_states", ()))
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))  # noqa: E731
         params = list(self.module.parameters())
-        out = {"weights": size(getattr(p, "ds_tensor", p) for p in params)}
         masters = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", [])
         inner = getattr(opt, "optimizer", opt)
-        moments = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
-        out["optimizer"] = (0 if S.hp_params in off else size(masters)) + (0 if S.optim_states in off else size(moments))
+        states = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
         buffers = [getattr(opt, n, None) for n in ("grads_in_partition", "grad_partitions_flat_buffer",
                                                    "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")]
         buffers += list(getattr(opt, "ipg_buffer", None) or [])
-        grads = [p.grad for p in params] + [m.grad for m in masters]
-        out["grads"] = (0 if S.lp_grads in off else size(grads)) + (0 if S.contiguous_grad_buffer in off else size(buffers))
-        out["gather"] = getattr(self, "sync_gather", 0)
-        return out
+        buffers += [b.buffer for b in getattr(opt, "ipg_buckets", {}).values() if getattr(b, "buffer", None) is not None]
+        grads = [p.grad for p in params] + [m.grad for m in masters] + [
+            g for gs in (getattr(opt, "averaged_gradients", None) or {}).values() for g in (gs or [])]
+        return {"weights": residency.device_bytes(getattr(p, "ds_tensor", p) for p in params),
+                "optimizer": residency.device_bytes([*masters, *states]),
+                "grads": residency.device_bytes([*grads, *buffers])}
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _gathered(self):
@@ -419,10 +418,8 @@ class Reference:
         return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.model.parameters())
 
     def holdings(self) -> dict:
-        """Bytes on its device by the memory plan's kinds: its weights (partitions), none while offloaded."""
-        params = self.model.parameters()
-        return {"weights": 0 if self._offload() else sum(getattr(p, "ds_tensor", p).numel() * p.element_size()
-                                                          for p in params)}
+        """Bytes of device memory by the memory plan's kinds, read from its tensors: its weights (partitions)."""
+        return {"weights": residency.device_bytes(getattr(p, "ds_tensor", p) for p in self.model.parameters())}
 
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()

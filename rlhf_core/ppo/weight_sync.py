@@ -244,6 +244,7 @@ def _walk(learner, layout: list | None = None):
         params = [named[n] for n, _, _ in bucket]
         with _gathered(learner, params):
             learner.sync_gather = max(learner.sync_gather, sum(p.data.numel() * p.element_size() for p in params))
+            learner.held_inside = {"gather": learner.sync_gather}  # the memory timeline's (rlhf_core.ppo.timeline)
             yield i, params
 
 

@@ -326,6 +326,14 @@ class RMEnsemble:
         return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                    for e in self.engines for m in (e.body, e.head) for p in m.parameters())
 
+    def holdings(self) -> dict:
+        """Bytes of device memory by the memory plan's kinds, read from the tensors: every model's weights (this
+        rank's partitions), none while ref_reward_offload keeps them in host memory."""
+        from rlhf_core.runtime import residency
+
+        return {"weights": residency.device_bytes(getattr(p, "ds_tensor", p) for e in self.engines
+                                                  for m in (e.body, e.head) for p in m.parameters())}
+
     def score_each(self, pairs: list[tuple[str, str]], finished: list[bool] | None = None) -> list[list[float]]:
         return [e.score(pairs, finished) for e in self.engines]
 
