@@ -351,6 +351,8 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
     shown = [str(v) for f, v in [*cmd.launcher, *cmd.flags] if flat_name(f) not in SECRETS]  # a key stays unnamed
     out.notes += [f"{v} is not set by a VAR=value line the script runs: replace it" for v in cmd.unresolved
                   if any(v in x for x in shown)]
+    out.notes += [f"{w} (line {cmd.line}) is set only when the script runs: the flags it may hold are not read here "
+                  "(add them to the YAML)" for w in cmd.opaque]
     if cmd.runner == "torchrun" and "launcher" in config_class(main).model_fields:
         put(out, main, "launcher", "torchrun", "(torchrun -m)")
     if cmd.module == "train_dpo":
@@ -564,9 +566,13 @@ def import_text(text: str, source: str = "<stdin>", folder: Path | None = None, 
     if script.orphans:
         first, last, words, cmd = script.orphans[0]
         lines = f"line {first}" if first == last else f"lines {first}-{last}"
-        raise CommandError(f"{source} {lines}: `{words}` is a command of its own: line {cmd.end} ends "
-                           f"{where(cmd)} without a backslash, so bash runs the trainer without these flags and then "
-                           f"fails on `{words.split()[0]}`; end line {cmd.end} with ` \\` to pass them")
+        between = [(k, line.strip()) for k, line in enumerate(text.splitlines()[cmd.end:first - 1], cmd.end + 1)]
+        comment = next((k for k, line in between if line.startswith("#")), None) if not cmd.source else None
+        cause = (f"line {comment} is a comment inside the command, and a comment ends it (its backslash is part of "
+                 "the comment)" if comment else f"line {cmd.end} ends {where(cmd)} without a backslash")
+        raise CommandError(f"{source} {lines}: `{words}` is a command of its own: {cause}, so bash runs the trainer "
+                           f"without these flags and then fails on `{words.split()[0]}`"
+                           + ("" if comment else f"; end line {cmd.end} with ` \\` to pass them"))
     trainers = [c for c in script.commands if c.module != "serve_rm"]
     servers = [c for c in script.commands if c.module == "serve_rm"] if trainers else []  # beside a trainer: a step
     commands = trainers or script.commands

@@ -56,6 +56,7 @@ class Command:
     elided: int = 0  # the line of a `...` (a docs fragment: flags left out)
     by_path: str = ""  # `python openrlhf/cli/train_sft.py`: the path as written
     background: bool = False  # started with `&`
+    opaque: list[str] = field(default_factory=list)  # whole words set when the script runs ($EXTRA_ARGS): not read
 
     @property
     def dialect(self) -> str:
@@ -777,23 +778,26 @@ class Reader:
         for k, (conn, pipeline) in enumerate(node.parts):
             if (conn == "&&" and status is False) or (conn == "||" and status is True):
                 continue
-            undecided = conn in ("&&", "||") and status is None
-            if undecided:
-                self.maybe += 1
-            try:
-                first = pipeline[0] if pipeline else None
-                if k == 0 and isinstance(first, Simple) and last is not None and self.orphan(first, last):
-                    return last
-                status = self.node(first) if first is not None else None
-                for rest in pipeline[1:]:
-                    self.node(rest)
-            finally:
-                if undecided:
-                    self.maybe -= 1
+            first = pipeline[0] if pipeline else None
+            if k == 0 and isinstance(first, Simple) and last is not None and self.orphan(first, last):
+                return last
+            if conn and status is None:  # after a command whose outcome the script's run decides
+                before = node.parts[k - 1][1]
+                test = " ".join(w.text for w in before[0].words) if before and isinstance(before[0], Simple) else "..."
+                with self.undecided_branch(first.line if isinstance(first, Simple) else 0, f"{test} {conn}"):
+                    status = self.pipeline(pipeline)
+            else:
+                status = self.pipeline(pipeline)
         new = self.found[found_before:]
         for c in new:
             c.background = c.background or node.background
         return new[-1] if new and new[-1].module else None
+
+    def pipeline(self, nodes: list) -> bool | None:
+        status = self.node(nodes[0]) if nodes else None
+        for rest in nodes[1:]:
+            self.node(rest)
+        return status
 
     def orphan(self, node: Simple, last: Command) -> bool:
         """A command starting with --flag right after an OpenRLHF command: the line before it lacks its backslash
@@ -956,6 +960,9 @@ class Reader:
         while k < len(words) and (m := re.match(r"^([A-Za-z_]\w*)(\[[^]]*\])?(\+?)=", words[k].text)):
             if words[k].array is not None:
                 self.assign_array(m.group(1), words[k].array, append=bool(m.group(3)))
+            elif m.group(2) and k + 1 == len(words):  # A[i]=x: one element
+                self.assign_element(m.group(1), m.group(2)[1:-1], self.rhs(m.group(1), words[k].text[m.end():],
+                                                                            words[k].line))
             else:
                 env[m.group(1) + m.group(3)] = self.rhs(m.group(1), words[k].text[m.end():], words[k].line)
             k += 1
@@ -1018,7 +1025,7 @@ class Reader:
             if not self.maybe:
                 self.args = w[2:]
             return True
-        if head == "cd" or head == "echo" or head == "printf" or head == "sleep" or head == "mkdir":
+        if head in ("cd", "echo", "printf", "sleep", "mkdir", "true", ":"):
             return True
         if head == "unset":
             for name in w[1:]:
@@ -1050,6 +1057,9 @@ class Reader:
         args = w[at + 1:]
         elided = next((word.line for word in node.words if word.text == "..."), node.line) if "..." in args else 0
         args = [a for a in args if a != "..."]
+        # a whole word the running script sets, not a flag's value ($EXTRA_ARGS): flags unknown here
+        loose = {k for k, a in enumerate(args) if a in self.kept and (k == 0 or not args[k - 1].startswith("--"))}
+        opaque, args = [args[k] for k in sorted(loose)], [a for k, a in enumerate(args) if k not in loose]
         runner = Path(launcher[0]).name if launcher else "python"
         runner = "python" if runner.startswith("python") else runner
         cuda = env.get("CUDA_VISIBLE_DEVICES")
@@ -1059,7 +1069,7 @@ class Reader:
         cmd = Command(module, launcher_flags(launcher[1:]), flag_values(args), node.line, unresolved, runner,
                       self.source, self.loop, node.end,
                       {"CUDA_VISIBLE_DEVICES": cuda} if isinstance(cuda, str) and not isinstance(cuda, Unknown) else {},
-                      elided, by_path, node.background)
+                      elided, by_path, node.background, opaque)
         self.found.append(cmd)
         return None
 
@@ -1151,6 +1161,16 @@ class Reader:
     def opaque(self, value: str) -> bool:
         """Whether a value holds an expansion kept as written (known only when the script runs)."""
         return any(k in value for k in self.kept)
+
+    def assign_element(self, name: str, index: str, value: str) -> None:
+        old, k = self.env.get(name), self.arith(index)
+        if self.maybe or k is None or k < 0:
+            self.skipped += 1
+            return
+        items = list(old) if isinstance(old, list) else [old] if isinstance(old, str) else []
+        items += [""] * (k + 1 - len(items))
+        items[k] = value
+        self.env[name] = items
 
     def value(self, name: str) -> Any:
         """A variable's value: str, list (an array), Unknown, or None (not set by the script)."""
@@ -1595,11 +1615,13 @@ def loop_count(header: str, reader: Reader) -> int | None:
 
 
 def launch_point(w: list[str]) -> tuple[int | None, str, str]:
-    """(index of the module word, module, the path when launched by path) of an OpenRLHF launch."""
+    """(index of the module word, module, the path when launched by path) of an OpenRLHF launch: `-m` / `--module
+    openrlhf.cli.X`, or `python|deepspeed|torchrun ... openrlhf/cli/X.py`."""
     for k, x in enumerate(w):
         if (m := LAUNCH_MODULE.match(x)) and k and w[k - 1] in ("-m", "--module"):
             return k, m.group(1), ""
-        if (m := LAUNCH_PATH.search(x)) and k and not x.startswith("-"):
+        if (m := LAUNCH_PATH.search(x)) and any(Path(r).name.startswith(("python", "deepspeed", "torchrun", "accelerate"))
+                                                for r in w[:k]):
             return k, m.group(1), x
     return None, "", ""
 

@@ -709,6 +709,21 @@ def test_a_missing_backslash_mid_command_is_named_with_its_lines(capsys):
            "is a command of its own: line 7 ends openrlhf.cli.train_ppo_ray (line 3) without a backslash")
 
 
+def test_a_comment_inside_a_command_and_flags_only_the_running_script_knows():
+    """A commented-out flag line inside a continued command ends the command there (its backslash is part of the
+    comment): refused naming the comment. A whole word the script sets only when it runs ($LORA, set in an `if` on
+    the environment) is named, not taken as the previous flag's value."""
+    with pytest.raises(imp.CommandError, match=r"cmd.sh line 4: `--dataset ./d` is a command of its own: line 3 is a "
+                                               r"comment inside the command"):
+        inline("deepspeed --module openrlhf.cli.train_sft \\\n  --pretrain ./b \\\n  # --packing_samples \\\n"
+               "  --dataset ./d\n")
+    text, d = inline('if [ "$USE_LORA" = "1" ]; then\n  LORA="--lora_rank 64"\nfi\n'
+                     "deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset ./d --save_path out $LORA\n")
+    assert d["sft"]["output_uri"] == "out" and "lora_rank" not in d["sft"]
+    assert "$LORA (line 4) is set only when the script runs: the flags it may hold are not read here" in text
+    assert 'line 1: `[ "$USE_LORA" = "1" ]` is decided when the script runs' in text
+
+
 def test_a_docs_fragment_ending_in_dots_is_read_with_a_note():
     text, d = inline("python3 -m openrlhf.cli.train_ppo_ray \\\n   --pretrain ./p \\\n   --prompt_data ./q \\\n"
                      "   --agent_func_path ./agent.py \\\n   ... # other training args\n")
