@@ -1385,12 +1385,9 @@ class Reader:
             return Unknown(text)
         name, index, rest = m.group(1), m.group(3), body[m.end():]
         v = self.value(name)
-        if index is not None and isinstance(v, list):
-            if index in ("@", "*"):
-                pass
-            else:
-                k = self.arith(index)
-                v = (v[k] if k is not None and -len(v) <= k < len(v) else "") if k is not None else Unknown(text)
+        if index is not None and isinstance(v, list) and index not in ("@", "*"):
+            k = self.arith(index)
+            v = Unknown(text) if k is None else v[k] if -len(v) <= k < len(v) else ""
         elif index is not None and index not in ("@", "*", "0") and isinstance(v, str):
             v = ""
         elif isinstance(v, list) and index is None:
@@ -1399,8 +1396,8 @@ class Reader:
             return v if v is not None else Unknown(text) if name not in ("@", "*") else []
         if isinstance(v, Unknown):
             return v
-        op = re.match(r"^(:-|-|:=|=|:\+|\+|:\?|\?|##|#|%%|%|//|/|\^\^|\^|,,|,|:)", rest)
-        if not op:
+        op = re.match(r"^(:-|-|:=|=|:\+|\+|:\?|\?|##|#|%%|%|//|/)", rest)
+        if not op:  # ${V:1:2}, ${V^^} ...: not read here
             return Unknown(text)
         op, arg = op.group(1), rest[op.end():]
         unset, empty = v is None, v is None or v == "" or v == []
@@ -1431,25 +1428,10 @@ class Reader:
             elif op in ("%", "%%"):
                 cut = [k for k in range(len(s) + 1) if fnmatch.fnmatchcase(s[k:], pat)]
                 s = s[:(min(cut) if op == "%%" else max(cut))] if cut else s
-            elif op in ("/", "//"):
+            else:  # / and //: the text replaced (not a pattern)
                 find, _, repl = arg.partition("/")
                 find, repl = self.expand_text(find), self.expand_text(repl)
                 s = s.replace(find, repl) if op == "//" else s.replace(find, repl, 1)
-            elif op == "^^":
-                s = s.upper()
-            elif op == "^":
-                s = s[:1].upper() + s[1:]
-            elif op == ",,":
-                s = s.lower()
-            elif op == ",":
-                s = s[:1].lower() + s[1:]
-            elif op == ":":
-                parts = arg.split(":", 1)
-                off = self.arith(parts[0])
-                ln = self.arith(parts[1]) if len(parts) > 1 else None
-                if off is None or (len(parts) > 1 and ln is None):
-                    return Unknown(text)
-                s = s[off:] if ln is None else s[off:off + ln] if ln >= 0 else s[off:ln]
             out.append(s)
         return out if isinstance(v, list) else out[0]
 

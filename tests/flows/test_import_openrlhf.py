@@ -790,3 +790,25 @@ def test_the_gpu_image_installs_the_tracking_extra():
     """W&B / TensorBoard (use_wandb / use_tensorboard of imported commands) run in the GPU image."""
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r'pip install --no-build-isolation -c requirements/gpu-constraints.txt "\.\[gpu\]" "\.\[tracking\]"', text)
+
+
+def test_the_shell_reader_spot_checks():
+    """Functions run where they are called (their own $1), `$(cat <<EOF ...)`, a quoted here-document (no
+    expansion), `case` on a known value, "$@" of no argument is no word, only an exported CUDA_VISIBLE_DEVICES
+    reaches deepspeed, `[[ ... ]] && A+=(...)` on a value the script sets."""
+    (c,) = find_commands('train() {\n  local m=$1; shift\n  deepspeed --module openrlhf.cli.train_sft --pretrain "$m" "$@"\n}\n'
+                         "train ./b --dataset './my data' --max_len 64\n")
+    assert c.flags == [("pretrain", "./b"), ("dataset", "./my data"), ("max_len", "64")]
+    (c,) = find_commands("CMD=$(cat <<EOF\nopenrlhf.cli.train_rm --pretrain $HOME_M\n  --dataset ./d\nEOF\n)\n"
+                         "HOME_M=unused\ndeepspeed --module $CMD\n")
+    assert (c.module, c.flags, c.unresolved) == ("train_rm", [("pretrain", "$HOME_M"), ("dataset", "./d")], ["$HOME_M"])
+    (c,) = find_commands("read -r -d '' CMD <<'EOF'\nopenrlhf.cli.train_sft --pretrain $M\nEOF\nM=x\n"
+                         "python -m $CMD \"$@\"\n")
+    assert c.flags == [("pretrain", "$M")]  # quoted delimiter: the text as written, "$@" of nothing adds no word
+    (c,) = find_commands('MODE=dpo\ncase $MODE in\n  sft) M=train_sft ;;\n  dpo|kto) M=train_$MODE ;;\nesac\n'
+                         "A=(--pretrain ./b)\n[[ $MODE == d* ]] && A+=(--beta 0.2)\n"
+                         "CUDA_VISIBLE_DEVICES=0,1\ndeepspeed --module openrlhf.cli.$M \"${A[@]}\"\n")
+    assert (c.module, c.flags, c.env) == ("train_dpo", [("pretrain", "./b"), ("beta", "0.2")], {})
+    (c,) = find_commands("export CUDA_VISIBLE_DEVICES=0,1\nsrun bash -c \"deepspeed --module openrlhf.cli.train_sft "
+                         "--pretrain ./b\"\n")
+    assert (c.module, c.env) == ("train_sft", {"CUDA_VISIBLE_DEVICES": "0,1"})
