@@ -9,7 +9,7 @@
     rlhf-flows serve-rm MODEL [--port 5000]                a reward model over HTTP (score's remote_rm_url)
     rlhf-flows import-openrlhf FILE|- [-o OUT.yaml] [-- ARG...]  an OpenRLHF launch script (ARGs: its $1...) -> stage YAML
     rlhf-flows watch URI [--once] [--interval S]           a Prefect event when data files land under URI
-    rlhf-flows plan FILE [key=value ...] [--gpu-memory-gb 80]   the ppo memory plan per phase, GPU and role
+    rlhf-flows plan FILE [key=value ...] [--gpu-memory-gb 80]   the ppo memory plan per moment, GPU and role
 
 `--config FILE` goes before or after the key=value overrides. An expected failure (config, data,
 artifact, reward, generation, job) prints one line naming what failed and exits 2; `--debug` shows the
@@ -124,10 +124,15 @@ def cmd_stage(name: str, config: str | None, overrides: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- plan
-def cmd_plan(config: str, overrides: list[str], gpu_gb: float, legacy: bool = False) -> int:
+PLACEHOLDER = "s3://my-bucket"  # the shipped configs' store: a user's own replaces it
+
+
+def cmd_plan(config: str, overrides: list[str], gpu_gb: float, legacy: bool = False,
+             node_gb: float | None = None) -> int:
     """`rlhf-flows plan`: the memory plan (rlhf_core.ppo.plan) of a ppo flow config (pretrain_uri, reward_uri,
     its ppo: section) or a ppo stage config, for a GPU cluster (none is contacted: only each model's config.json
-    is read). Exit 2 when its peak is over gpu_gb."""
+    is read: folders, store URIs or hub ids). Exit 2 when a moment is over what CUDA can use of gpu_gb GB, or the
+    pinned host memory of a node over node_gb."""
     import yaml
 
     from rlhf_core.ppo import plan
@@ -147,12 +152,18 @@ def cmd_plan(config: str, overrides: list[str], gpu_gb: float, legacy: bool = Fa
         source = {"reward_model_uri": p.reward_uri} if p.reward_uri else {"reward_func_path": "planned.py"}
         cfg = stage_config(ppo, {**p.ppo.model_dump(exclude_defaults=True), **gpu}, policy_uri=p.pretrain_uri,
                            prompts_uri="planned", output_uri="planned", storage_options=p.storage_options, **source)
+        keys = {"pretrain_uri": p.pretrain_uri, "reward_uri": p.reward_uri, "ppo.critic_uri": cfg.critic_uri}
     else:
         cfg = load_config(ppo.Config, config, [*overrides, *(f"{k}={v}" for k, v in gpu.items())], section="ppo")
+        keys = {"policy_uri": cfg.policy_uri, "reward_model_uri": cfg.reward_model_uri, "critic_uri": cfg.critic_uri}
+    for key, uri in keys.items():
+        if uri and PLACEHOLDER in uri:
+            raise ConfigError(f"{config}: {key} is {uri}, the example's placeholder store: give the model's hub id or "
+                              f"folder, e.g. `rlhf-flows plan {config} {key}=meta-llama/Meta-Llama-3-8B`")
     rms = [u.strip() for u in (cfg.reward_model_uri or "").split(",") if u.strip()]
     critic = cfg.critic_uri or (rms[0] if rms and cfg.advantage_estimator == "gae" else None)
     shapes = plan.shapes_of(cfg.policy_uri, rms, critic, cfg.storage_options)
-    planned = plan.plan(cfg, shapes, gpu_gb, legacy)
+    planned = plan.plan(cfg, shapes, gpu_gb, legacy, node_gb=node_gb)
     print(planned.table())
     if not planned.fits():
         raise plan.PlanError(planned.over())
@@ -348,13 +359,18 @@ def parser() -> argparse.ArgumentParser:
                                                   "others prompts), prompts or preferences")
     w.add_argument("--state", help="JSON file (any fsspec URI) of the files already announced; default: under "
                                    "RLHF_FLOWS_CACHE (~/.cache/rlhf-flows)/watch/, keyed by URI")
-    pl = sub.add_parser("plan", parents=[debug], help="the ppo memory plan: what each role holds on each GPU in each "
-                        "phase (generate, train, sync) and the peak, from the models' config.json; exit 2 if over")
+    pl = sub.add_parser("plan", parents=[debug], help="the ppo memory plan: what each role holds on each GPU at each "
+                        "moment (setup, generate, entering train, train, sync, resume), the peak and the pinned host "
+                        "memory per node, from the models' config.json; exit 2 if over")
     pl.add_argument("config", help="a ppo flow config (configs/reinforce_baseline_llama3_8b_hybrid.yaml) or ppo stage config")
-    pl.add_argument("overrides", nargs="*", help="key=value (e.g. pretrain_uri=DIR: a folder holding config.json)")
-    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of each GPU (GB = 2**30 bytes)")
-    pl.add_argument("--legacy-order", action="store_true", help="plan the phase order before issue 35 (learners and "
-                    "engines fully awake for the weight sync, object-store sync gathering the whole model)")
+    pl.add_argument("overrides", nargs="*", help="key=value (e.g. pretrain_uri=DIR or a hub id: only config.json is "
+                                                 "read)")
+    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of each GPU as sold (GB = 2**30 bytes; "
+                    "the plan checks against 0.4 GB less, what CUDA shows)")
+    pl.add_argument("--node-memory-gb", type=float, default=None, help="RAM of each node, for the pinned host memory")
+    pl.add_argument("--legacy-order", action="store_true", help="plan the order before issues 35 and 41 (every phase "
+                    "change in one wave, engines loading beside the other roles, learners and engines fully awake "
+                    "for the weight sync, a resume beside awake engines)")
     return p
 
 
@@ -420,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return watch.watch(a.uri, a.once, a.interval, watch.patterns_of(a.pattern), a.kind, a.state)
         if a.cmd == "plan":
-            return cmd_plan(a.config, a.overrides, a.gpu_memory_gb, a.legacy_order)
+            return cmd_plan(a.config, a.overrides, a.gpu_memory_gb, a.legacy_order, a.node_memory_gb)
         if a.cmd == "serve-rm":
             from rlhf_core.rollout.serve_rm import serve
 

@@ -288,9 +288,10 @@ class Config(StageConfig):
     trace_memory: bool = Field(False, description="Record what every role holds on its device at the start and end "
                                "of each call and commit the run's moments per GPU and role as memory_timeline.json "
                                "(rlhf_core.ppo.timeline): the memory plan's moments, measured.")
-    gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of each GPU (GB = 2**30 bytes) that the "
-                                        "memory plan (rlhf_core.ppo.plan, `rlhf-flows plan`) checks the run "
-                                        "against before any role starts; default: read from a GPU of the cluster "
+    gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of each GPU as sold (80 for an H100; GB = "
+                                        "2**30 bytes) that the memory plan (rlhf_core.ppo.plan, `rlhf-flows plan`) "
+                                        "checks every moment of the run against, less what CUDA does not show (0.4 "
+                                        "GB), before any role starts; default: what a GPU of the cluster reports "
                                         "(this host's when the stage starts its own Ray).")
     ray_timeout_s: float = Field(120, gt=0, description="Seconds to wait for the placement group.")
     role_timeout_s: float = Field(3600, gt=0, description="Seconds the driver waits for any role's call (a rollout, "
@@ -452,7 +453,7 @@ def run(cfg: Config) -> store.Manifest:
     if gpus and gpu_gb is None and cfg.ray_address is None:
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / plan.GB
     if gpus and gpu_gb:
-        plan.check(cfg, shapes, gpu_gb)
+        plan.check(cfg, shapes, gpu_gb, reported=cfg.gpu_memory_gb is None)
 
     # 3. train on Ray (resuming from the store's latest checkpoint), then commit
     w.begin()  # checkpoints/ is kept: a rerun resumes from it

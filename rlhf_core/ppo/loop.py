@@ -128,7 +128,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         if gpus and shapes:
             gpu_gb = cfg.gpu_memory_gb or placement.cluster_gpu_gb(cfg.ray_timeout_s)
             if gpu_gb:
-                plan.check(cfg, shapes, gpu_gb)
+                plan.check(cfg, shapes, gpu_gb, reported=cfg.gpu_memory_gb is None)
             else:
                 log.warning("ppo: no GPU of the cluster told its memory: the memory plan is not checked (set "
                             "gpu_memory_gb)")

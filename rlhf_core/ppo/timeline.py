@@ -82,12 +82,13 @@ class Moment:
     start: float
     end: float
     gpus: dict = field(default_factory=dict)  # gpu -> {role: {kind: bytes}}
+    calls: dict = field(default_factory=dict)  # role -> the methods it ran in this moment ("__init__": being built)
 
     def total(self, gpu: int) -> int:
         return sum(sum(h.values()) for h in self.gpus.get(gpu, {}).values())
 
     def as_dict(self) -> dict:
-        return {"moment": self.name, "start": self.start, "end": self.end,
+        return {"moment": self.name, "start": self.start, "end": self.end, "calls": self.calls,
                 "gpus": {str(g): {"total": self.total(g), "roles": roles} for g, roles in self.gpus.items()}}
 
 
@@ -130,25 +131,30 @@ class Timeline:
             end = max(done.values(), default=start)
             m = Moment(name, start, end)
             for role, gpu in gpu_of.items():
-                held = self._held(role, calls.get(role, []), start, end, done.get(role, done.get("")), first.get(role))
+                held, ran = self._held(role, calls.get(role, []), start, end, done.get(role, done.get("")),
+                                       first.get(role))
                 if held:
                     m.gpus.setdefault(gpu, {})[role] = held
+                if ran:
+                    m.calls[role] = ran
             out.append(m)
         return out
 
     def _held(self, role: str, calls: list[dict], start: float, end: float, done: float | None,
-              first: float | None) -> dict:
+              first: float | None) -> tuple[dict, list[str]]:
+        """(what `role` held in the moment, the methods it ran in it)."""
         placed = self.placed.get(role)
         if placed is None or placed > end:
-            return {}  # not yet placed
-        mine = [c for c in calls if done is not None and c["start"] >= start - EPS and c["end"] <= done + EPS]
+            return {}, []  # not yet placed
+        mine = [c for c in calls if done is not None and c["start"] >= start - EPS and c["end"] <= done + EPS
+                and c["method"] != "__init__"]
         init = next((c for c in calls if c["method"] == "__init__"), None)
-        if init is not None and placed <= end and (first is None or first >= start):  # still being constructed
+        if init is not None and (first is None or first >= start):  # still being built
             mine.append(init)
         if mine:
-            return max((_most(c) for c in mine), key=lambda h: sum(h.values()))
+            return max((_most(c) for c in mine), key=lambda h: sum(h.values())), [c["method"] for c in mine]
         before = [c for c in calls if c["end"] <= start + EPS]
-        return dict(before[-1]["after"]) if before else {}
+        return (dict(before[-1]["after"]) if before else {}), []
 
 
 def _most(call: dict) -> dict:

@@ -89,10 +89,42 @@ def close(got: int, want: int, extra: int = 0) -> bool:
     return want - 0.01 * want - 4096 <= got <= want + extra + 0.01 * want + 4096
 
 
+ON = {f"{kind}{g}": g for g in (0, 1) for kind in ("policy", "reference", "rollout")}  # role -> its GPU here
+
+
+def roles_on(gpu: int) -> list[str]:
+    return [r for r, g in ON.items() if g == gpu]
+
+
+def held(m: dict, role: str) -> dict:
+    return m["gpus"].get(str(ON[role]), {}).get("roles", {}).get(role, {})
+
+
+def invariants(timeline: list[dict]) -> None:
+    """What a GPU needs whatever the sizes. (1) While an engine is being built (vLLM sizes its KV cache from the free
+    memory it sees while profiling, and asserts none was freed meanwhile) no other role on its GPU holds anything or
+    runs. (2) A release (sleep) and an acquire (wake_up) are never in flight together on one GPU. (3) In generate and
+    sync the learners hold their weights only: no optimizer state, no gradient buffer on the GPU."""
+    for m in timeline:
+        for g in (0, 1):
+            ran = {r: m["calls"].get(r, []) for r in roles_on(g)}
+            if "__init__" in ran[f"rollout{g}"]:
+                busy = {r: (ran[r], held(m, r)) for r in roles_on(g) if r != f"rollout{g}" and (ran[r] or any(held(m, r).values()))}
+                assert not busy, f"{m['moment']}: rollout{g} is being built (profiled) beside {busy} on GPU {g}"
+            sleeping = [r for r in ran if "sleep" in ran[r]]
+            waking = [r for r in ran if "wake_up" in ran[r]]
+            assert not (sleeping and waking), f"{m['moment']}: {sleeping} sleep while {waking} wake up on GPU {g}"
+        if m["moment"] in ("entering generate", "generating", "entering sync", "a weight sync"):
+            for r in ("policy0", "policy1"):
+                h = held(m, r)
+                assert h.get("optimizer", 0) == 0 and h.get("grads", 0) == 0, f"{m['moment']}: {r} holds {h}"
+
+
 def check(timeline: list[dict], want: list[tuple]) -> None:
-    """Every moment named in `want` (in order, each name's occurrences one by one) holds its total on both GPUs (a
-    weight sync up to one bucket more: its gather), and no moment of the run holds more than the largest wanted
-    total: the table, and nothing over it."""
+    """The invariants, then: every moment named in `want` (in order, each name's occurrences one by one) holds its
+    total on both GPUs (a weight sync up to one bucket more: its gather), and no moment of the run holds more than
+    the largest wanted total: the table, and nothing over it."""
+    invariants(timeline)
     seen = observed(timeline)
     left = list(seen)
     for name, total in want:
