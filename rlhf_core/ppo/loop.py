@@ -268,7 +268,8 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         tracked, tracker = tracker.close() if tracker is not None else [], None
         return {"history": state.history, "steps_done": state.step, "planned_steps": total, "tracked": tracked,
                 "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
-                "param_elements_per_rank": {kind: ray.get([a.param_elements.remote() for a in group])
+                "param_elements_per_rank": {kind: roles.wait([a.param_elements.remote() for a in group], group,
+                                                             "reporting the parameters each rank holds")
                                             for kind, group in (("policy", roles.policy), ("critic", roles.critic),
                                                                 ("reward", roles.rewards))
                                             if group},

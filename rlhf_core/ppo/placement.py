@@ -165,6 +165,13 @@ def placement_group_nodes(pg) -> list[str]:
     return [nodes[i] for i in range(len(nodes))]
 
 
+def node_order(nodes: list[str]) -> list[int]:
+    """The bundles of a placement group (`nodes`: each bundle's node) in node order, stable: as OpenRLHF's
+    get_bundle_indices takes them, so that consecutive ranks of the plan (a colocated engine's TP ranks, the policy
+    ranks of one node) share a node however Ray numbered the bundles it packed."""
+    return sorted(range(len(nodes)), key=lambda i: nodes[i])
+
+
 def check_engines_on_one_node(plan: list[tuple[str, int]], groups: list[list[int]], nodes: list[list[str]]) -> None:
     """ValueError naming an engine whose tensor-parallel bundles landed on several nodes (a colocated engine's
     are policy bundles, packed by Ray, not forced): vLLM's TP workers of one engine share a node."""
@@ -229,12 +236,15 @@ class Roles:
                                     strategy="PACK" if g == 0 else "STRICT_PACK")  # an engine's TP ranks: one node
                     for g, bundles in enumerate(groups)]
         ray.get([pg.ready() for pg in self.pgs], timeout=cfg.ray_timeout_s)
-        check_engines_on_one_node(self.plan, groups, [placement_group_nodes(pg) for pg in self.pgs])
+        nodes = [placement_group_nodes(pg) for pg in self.pgs]
+        order = node_order(nodes[0])  # the shared group's bundles taken in node order
+        slots = {n: (g, order[i] if g == 0 else i) for n, (g, i) in slots.items()}
+        check_engines_on_one_node(self.plan, groups, [[nodes[0][j] for j in order], *nodes[1:]])
         env = {"OMP_NUM_THREADS": str(max(1, int(cpus // max(1, world))))}
 
         def place(name, cls, *args, gpus=0, capture=False, **kwargs):
             g, b = slots[name]
-            shared = share[groups[g][b]]  # actors sharing a bundle split its CPU (and GPU) evenly
+            shared = share[dict(self.plan)[name]]  # actors sharing a bundle split its CPU (and GPU) evenly
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pgs[g], placement_group_bundle_index=b,
                                                         placement_group_capture_child_tasks=capture)
             role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name)}}}
@@ -375,12 +385,11 @@ class Roles:
     def peak_memory(self) -> dict:
         """Peak memory (GB) of the inference roles: the reference, the reward model, the fullest rollout engine
         (the learners report theirs with each train step)."""
-        import ray
-
         named = [("reference", r) for r in self.reference or []] + [("reward", r) for r in self.rewards] + \
             [("rollout", e) for e in self.rollouts]
         out: dict[str, float] = {}
-        for (k, _), v in zip(named, ray.get([a.peak_memory_gb.remote() for _, a in named])):
+        peaks = self.wait([a.peak_memory_gb.remote() for _, a in named], [a for _, a in named], "reporting peak memory")
+        for (k, _), v in zip(named, peaks):
             out[f"{k}_peak_mem_gb"] = max(v, out.get(f"{k}_peak_mem_gb", 0.0))  # the fullest rank / engine
         return out
 

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-EPS = 0.002  # seconds of clock slack between the driver and its actors when a call is matched to a moment
+EPS = 0.0  # clock slack when a call is matched to a moment: none on one host (a driver and its actors share a clock)
 
 
 def _held(role) -> dict:

