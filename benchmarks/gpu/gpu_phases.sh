@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 35 item 10, for a lent GPU machine (written for it, not yet run): the CUDA IPC leak repro and the ppo roles'
-# phase sequence in-process at the Qwen2-0.5B and 1.5B shapes, each phase's allocator peak beside the memory plan's
-# prediction (benchmarks/gpu/gpu_phases.py), then the learner's sleep / wake at ZeRO-2 and ZeRO-3 (FusedAdam:
-# tests/rlhf_core/ppo/test_gpu_roles.py -k sleeps). Under 5 minutes: the figures capped at 200 s, the tests at 80 s.
+# Issues 35 and 41, for a lent GPU machine (written for it, not yet run): the CUDA IPC leak repro and every moment of
+# the memory plan in-process at the Qwen2-0.5B and 1.5B shapes (setup, entering and in generate / train / sync, a
+# resume), each moment's allocator peak beside the plan's prediction (benchmarks/gpu/gpu_phases.py), then the learner's
+# sleep / wake at ZeRO-2 and ZeRO-3 (FusedAdam: tests/rlhf_core/ppo/test_gpu_roles.py -k sleeps). Under 5 minutes: the
+# figures capped at 200 s, the tests at 80 s.
 # Same image and wheels as gpu_smoke.sh (its header says how to prepare .whl/):
 #
 #   run(command="bash benchmarks/gpu/gpu_phases.sh", carry=[".whl"], timeout_s=330)

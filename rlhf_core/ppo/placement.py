@@ -351,12 +351,13 @@ class Roles:
         """The role an actor plays ("policy0", "reward", "rollout1", ...)."""
         return next(n for n, a in zip(self._names, self.all) if a is actor)
 
-    def wait(self, refs: list, actors: list, phase: str, error=RoleError) -> list:
-        """wait_all of `refs` (refs[i] a call of actors[i]) within role_timeout_s, errors naming roles and phase;
-        with trace_memory, one moment of the timeline."""
+    def wait(self, refs: list, actors: list, phase: str, error=RoleError, timeout_s: float | None = None) -> list:
+        """wait_all of `refs` (refs[i] a call of actors[i]) within role_timeout_s (or the shorter `timeout_s`), errors
+        naming roles and phase; with trace_memory, one moment of the timeline."""
         answered = {}
+        timeout = min(self.timeout, timeout_s) if timeout_s else self.timeout
         try:
-            return wait_all(refs, [self.name(a) for a in actors], phase, self.timeout, error, answered)
+            return wait_all(refs, [self.name(a) for a in actors], phase, timeout, error, answered)
         finally:
             if self.timeline is not None:
                 self.timeline.waited(phase, answered)

@@ -99,13 +99,15 @@ class CollectiveSync:
         else:  # every rank takes part in the ZeRO-3 gathers; rank 0 alone sends
             refs = [a.weight_sync.remote("send") for a in policy] + [e.receive_weights.remote() for e in engines]
             who = policy + engines
-        self._wait(refs, who, "a weight sync")
+        self._wait(refs, who, "a weight sync", GROUP_TIMEOUT_S)
         return time.perf_counter() - t0
 
-    def _wait(self, refs: list, actors: list, what: str) -> list:
-        """Roles.wait within role_timeout_s: one WeightSyncError naming every role that failed (engines first) or
-        did not answer."""
-        return self.roles.wait(refs, actors, what, lambda msg: WeightSyncError(f"{self.method} weight sync: {msg}"))
+    def _wait(self, refs: list, actors: list, what: str, timeout_s: float | None = None) -> list:
+        """Roles.wait within role_timeout_s (a sync: within GROUP_TIMEOUT_S, as each collective of the group: vLLM's
+        PyNccl broadcasts of TP workers have no timeout of their own): one WeightSyncError naming every role that
+        failed (engines first) or did not answer."""
+        return self.roles.wait(refs, actors, what, lambda msg: WeightSyncError(f"{self.method} weight sync: {msg}"),
+                               timeout_s)
 
 
 class ObjectStoreSync:

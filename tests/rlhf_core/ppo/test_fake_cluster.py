@@ -147,7 +147,7 @@ def test_tp_workers_each_load_their_shard_over_the_weight_group(fake_cluster, ti
         addr, port = ray.get(policy[0].rendezvous.remote())
         ray.get([a.setup.remote(str(tiny.policy_dir), loop.learner_settings(cfg), addr, port, 4) for a in policy])
         names = {id(a): n for a, n in zip(policy + engines, ["policy0", "policy1", "rollout0", "rollout1"])}
-        roles = SimpleNamespace(policy=policy, rollouts=engines, wait=lambda refs, actors, what, error=RoleError:
+        roles = SimpleNamespace(policy=policy, rollouts=engines, wait=lambda refs, actors, what, error=RoleError, timeout_s=None:
                                 wait_all(refs, [names[id(a)] for a in actors], what, 300, error))
         sync = weight_sync.CollectiveSync(roles, 2 ** 20, tp=2)
         assert len(sync.layout) > 1
