@@ -28,15 +28,14 @@ def test_ppo_demo_learns_every_iteration_and_resumes_after_sigkill(demo_run, tmp
     params = {**raw, "demo": False, "root": str(tmp_path / "runs"), "run_name": "ppo", "iterations": 2,
               "pretrain_uri": demo_run.sft, "reward_uri": demo_run.reward, "prompt_data": f"{demo_run.inputs}/prompts.jsonl",
               "eval_prompt_data": f"{demo_run.inputs}/eval_prompts.jsonl", "gold_reward_file": demo_task.__file__,
-              "sft": {}, "train_rm": {},
-              "ppo": {**raw["ppo"], "debug_step_sleep": 1.0}}  # a runtime field: slow steps so the kill lands mid-stage
+              "sft": {}, "train_rm": {}}
     cfg = tmp_path / "ppo.yaml"
     cfg.write_text(yaml.safe_dump(params))
     run = tmp_path / "runs" / "ppo"
 
     # 1. killed in iteration 2's ppo stage, after its first store checkpoint
     marker = uuid.uuid4().hex
-    proc = _start(cfg, tmp_path, marker, flow="ppo")
+    proc = _start(cfg, tmp_path, marker, flow="ppo", step_sleep=1.0)  # slow steps so the kill lands mid-stage
     stage = run / "iter-2" / "ppo"
     _kill_when(proc, lambda: any((stage / "checkpoints").glob(f"*/{checkpoints.MARKER}"))
                and not (stage / store.MANIFEST).exists(), marker, "iteration 2's ppo checkpoint")

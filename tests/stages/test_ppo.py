@@ -26,6 +26,7 @@ from rlhf_core import store
 from rlhf_core.ppo import loop
 from rlhf_core.ppo import rollout as ppo_rollout
 from rlhf_core.rollout.rewards import RewardError
+from rlhf_core.runtime import faults
 from stages import ppo, sft
 from stages.common import ConfigError, load_config
 from tests.rlhf_core.rollout.test_rewards import reward_server  # noqa: F401  (fixture)
@@ -234,12 +235,12 @@ def test_async_grpo_learns_on_stale_rollouts_and_a_killed_run_resumes_losing_not
 
     # the same run (another output), killed with -9 once a checkpoint is committed, then resumed
     out = tmp_path / "async-killed"
-    killed = cfg.model_copy(update={"output_uri": str(out), "debug_step_sleep": 1.0})
+    killed = cfg.model_copy(update={"output_uri": str(out)})
     marker = f"RLHF_PPO_TEST_{uuid.uuid4().hex[:8]}"
     code = "import sys, json; from stages import ppo; ppo.run(ppo.Config.model_validate_json(sys.argv[1]))"
     with open(tmp_path / "killed.log", "w") as out_log:
         proc = subprocess.Popen([sys.executable, "-c", code, killed.model_dump_json(exclude_defaults=True)],
-                                env={**os.environ, "PYTHONPATH": str(ROOT), marker: "1"}, cwd=str(ROOT),
+                                env={**os.environ, "PYTHONPATH": str(ROOT), marker: "1", faults.STEP_SLEEP: "1.0"}, cwd=str(ROOT),
                                 start_new_session=True, stdout=out_log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
@@ -253,7 +254,7 @@ def test_async_grpo_learns_on_stale_rollouts_and_a_killed_run_resumes_losing_not
     saved = json.loads(next(out.glob(f"checkpoints/*/{checkpoints.MARKER}")).read_text())
     assert "rollouts.pt" in {f["path"] for f in saved["files"]}  # the rollout generated ahead, with the step
     caplog.set_level(logging.INFO, logger="rlhf_flows")
-    m2 = ppo.run(killed.model_copy(update={"debug_step_sleep": 0.0}))
+    m2 = ppo.run(killed)
     step = m2.metrics["resumed_from_step"]
     assert 0 < step < 8
     assert f"the rollouts of steps [{step + 1}] generated before the checkpoint and not yet trained on are " \
@@ -465,13 +466,13 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint_without_a_shared_disk(war
     cfg = ppo.Config(policy_uri=policy, prompts_uri=warm.prompts, output_uri=out, **BASE,
                      advantage_estimator="reinforce_baseline", n_samples_per_prompt=2, actor_learning_rate=1e-4,
                      init_kl_coef=0.01, kl_target=0.1, kl_horizon=100, running_reward_norm=True, num_episodes=2,
-                     save_steps=3, max_ckpt_num=2, debug_step_sleep=1.0)
+                     save_steps=3, max_ckpt_num=2)
     marker = f"RLHF_PPO_TEST_{uuid.uuid4().hex[:8]}"
 
     def caches(run):
         return {"RLHF_FLOWS_CACHE": str(tmp_path / run / "driver"), "RLHF_FLOWS_ROLE_CACHES": str(tmp_path / run / "roles")}
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), marker: "1", **caches("a")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), marker: "1", **caches("a"), faults.STEP_SLEEP: "1.0"}  # slow steps
     code = "import sys, json; from stages import ppo; ppo.run(ppo.Config.model_validate_json(sys.argv[1]))"
     with open(tmp_path / "run-a.log", "w") as out_log:
         proc = subprocess.Popen([sys.executable, "-c", code, cfg.model_dump_json(exclude_defaults=True)], env=env, cwd=str(ROOT),
@@ -502,7 +503,7 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint_without_a_shared_disk(war
 
     for k, v in caches("b").items():
         monkeypatch.setenv(k, v)
-    m = ppo.run(cfg.model_copy(update={"debug_step_sleep": 0.0}))  # runtime field: same fingerprint
+    m = ppo.run(cfg)
     assert 0 < m.metrics["resumed_from_step"] < 16
     assert m.metrics["steps_done"] == m.metrics["planned_steps"] == 16
     log = json.loads(fs.cat_file(f"{path}/training_log.json"))
