@@ -108,7 +108,7 @@ def build(work: Path, small: bool, cuda: bool) -> dict:
         tok.save_pretrained(str(work / name))
         del model
     rng = random.Random(7)
-    pairs = demo_task.preference_rows(64 if small else 512, seed=7)
+    pairs = demo_task.preference_rows(16 if small else 512, seed=7)  # small: two steps of 8, a smoke run
     for r in pairs:  # lengthened: the demo's pairs are 20-43 / 9-82 tokens, short for a GPU
         r["prompt"] = r["prompt"] + " " + " ".join(rng.choice(demo_task.NEUTRAL) for _ in range(rng.randint(20, 60))) + " "
         for k in ("chosen", "rejected"):
@@ -125,7 +125,7 @@ def build(work: Path, small: bool, cuda: bool) -> dict:
     sft_rows = [{"input": r["prompt"], "output": r["chosen"]} for r in pairs]
     kto_rows = data.pairs_to_kto(pairs)
     random.Random(8).shuffle(kto_rows)  # TRL samples sequentially: no alternating labels
-    steps = demo_task.step_rows(64 if small else 512, seed=0)
+    steps = demo_task.step_rows(16 if small else 512, seed=0)
     (work / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
     (work / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (work / "trl_dpo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
