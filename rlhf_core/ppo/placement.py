@@ -247,10 +247,14 @@ class Roles:
             shared = share[dict(self.plan)[name]]  # actors sharing a bundle split its CPU (and GPU) evenly
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pgs[g], placement_group_bundle_index=b,
                                                         placement_group_capture_child_tasks=capture)
-            role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name)}}}
+            from rlhf_core.runtime import niceness  # the role at the stage's niceness, not Ray's 15, on any cluster
+
+            nice_env = niceness.actor_env()
+            role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name), **nice_env}}}
             if self.timeline is not None:
                 cls = timeline.traced(cls)
                 self.timeline.place(name)
+            cls = niceness.at_launcher_priority(cls) if nice_env else cls
             actor = ray.remote(cls).options(num_cpus=per_cpu / shared, num_gpus=gpus / shared if gpus else 0,
                                             scheduling_strategy=strategy, **role_env).remote(*args, **kwargs)
             self.all.append(actor)

@@ -203,8 +203,11 @@ ENGINES = {"hf": HFEngine, "vllm": VLLMEngine}
 def _ray_up(ray_address: str | None, object_store_bytes: int = 0) -> bool:
     """Connect to Ray; True when we started it (and so must shut it down). A local Ray's object store holds
     max(200 MB, object_store_bytes): the ppo stage asks for room for its weight sync, which would otherwise
-    spill to disk every step."""
+    spill to disk every step. Its workers run at this process's niceness, not Ray's 15 (runtime.niceness; each actor
+    the stages start also carries the setting, for a cluster joined by address)."""
     import ray
+
+    from rlhf_core.runtime import niceness
 
     if ray.is_initialized():
         return False
@@ -213,7 +216,8 @@ def _ray_up(ray_address: str | None, object_store_bytes: int = 0) -> bool:
         ray.init(address=ray_address, log_to_driver=True)
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
-                 object_store_memory=max(200 * 1024 ** 2, object_store_bytes), log_to_driver=True)
+                 object_store_memory=max(200 * 1024 ** 2, object_store_bytes), log_to_driver=True,
+                 _system_config=niceness.system_config())
     return True
 
 
@@ -255,14 +259,17 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
         return out
     import ray
 
+    from rlhf_core.runtime import niceness
+
     started = _ray_up(ray_address)
     actors = []
     try:
         gpus = num_gpus_per_engine if ray.cluster_resources().get("GPU", 0) > 0 else 0
         opts = {"num_cpus": 1, "num_gpus": gpus}
-        if env:
-            opts["runtime_env"] = {"env_vars": env}
-        remote_cls = ray.remote(engine_cls).options(**opts)
+        nice_env = niceness.actor_env()  # the engines at this process's niceness, on any cluster
+        if env or nice_env:
+            opts["runtime_env"] = {"env_vars": {**(env or {}), **nice_env}}
+        remote_cls = ray.remote(niceness.at_launcher_priority(engine_cls) if nice_env else engine_cls).options(**opts)
         actors = [remote_cls.remote(*init_args) for _ in bounds]
         futures = [getattr(actors[o], method).remote(items[s:e], **call_kwargs, **offset(s)) for o, s, e in chunks]
         results, pending, done = {}, list(futures), 0
