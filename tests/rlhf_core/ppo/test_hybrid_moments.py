@@ -32,25 +32,11 @@ import pytest
 
 from rlhf_core.demo import demo_task
 from stages import ppo
+from tests.rlhf_core.ppo.test_fake_cluster import fake_cluster  # noqa: F401  (a local Ray advertising 4 GPUs)
 
 pytestmark = pytest.mark.slow
 
 B = 500_000_000 * 4  # DeepSpeed's default reduce_bucket_size, fp32 elements
-
-
-@pytest.fixture(scope="module")
-def fake_cluster():
-    """A local Ray advertising 4 GPUs; the stages join it by its address (and so ask it, not this host)."""
-    import os
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ctx = ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, object_store_memory=200 * 1024 ** 2)
-    try:
-        yield ctx.address_info["gcs_address"]
-    finally:
-        ray.shutdown()
 
 
 def sizes(tiny) -> tuple[int, int]:
