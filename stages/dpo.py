@@ -1,7 +1,8 @@
 """DPO as a DeepSpeed job on one model: the loss compares the policy's summed response log-probs with the
 reference log-probs stored as columns of the pairs artifact (stage `reference`, computed once per dataset).
-Losses: sigmoid (DPO), ipo, cDPO via label_smoothing; optional NLL on chosen (nll_loss_coef). Logged:
-implied rewards beta * (log pi - log ref), reward accuracy and margins.
+Losses: sigmoid (DPO), ipo (on summed log-probs as OpenRLHF, or per token as TRL with length_normalize), cDPO
+via label_smoothing; optional NLL on chosen (nll_loss_coef). Logged: implied rewards beta * (log pi - log ref),
+reward accuracy and margins.
 
     rlhf-flows stage reference pairs_uri=... ref_uri=... output_uri=.../ref
     rlhf-flows stage dpo --config configs/demo.yaml policy_uri=... dataset_uri=.../ref output_uri=...
@@ -28,6 +29,9 @@ class Config(StageConfig, TrainFields):
     loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss: sigmoid (DPO) or ipo.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO: assumed probability that a label is flipped.")
     nll_loss_coef: float = Field(0.0, ge=0, description="Weight of the chosen responses' NLL added to the loss.")
+    length_normalize: bool = Field(False, description="ipo: each response's log-ratio divided by its token count "
+                                   "(TRL's IPO: the same beta then asks for a margin of 1/(2 beta) per token, not in "
+                                   "sum); false: summed log-probs (OpenRLHF's). See the stage's page.")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
 
@@ -35,6 +39,8 @@ class Config(StageConfig, TrainFields):
     def _smoothing_is_sigmoid_only(self):
         if self.label_smoothing and self.loss_type != "sigmoid":  # IPO's squared loss has no label-flip term
             raise ValueError(f"label_smoothing (cDPO) applies to loss_type sigmoid only, not {self.loss_type!r}")
+        if self.length_normalize and self.loss_type != "ipo":
+            raise ValueError(f"length_normalize applies to loss_type ipo only, not {self.loss_type!r}")
         return self
 
 
@@ -52,7 +58,7 @@ def run(cfg: Config) -> store.Manifest:
                                           model_dir=model_dir)
     eval_records = batches.tokenize_pairs(eval_rows, tok, cfg.max_len, cfg.overlong, where=cfg.eval_dataset or cfg.dataset_uri,
                                           extra=REF_COLUMNS, model_dir=model_dir)[0] if eval_rows else []
-    spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef")}
+    spec = {k: getattr(cfg, k) for k in ("beta", "loss_type", "label_smoothing", "nll_loss_coef", "length_normalize")}
     return train_and_commit(cfg, w, "dpo", records, model_dir, tok, spec, {"rows": len(records), "truncated": cut},
                             model_uri=cfg.policy_uri, eval_records=eval_records)
 

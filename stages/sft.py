@@ -12,7 +12,7 @@ not only the last.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -30,6 +30,10 @@ class Config(StageConfig, TrainFields, SourceFields):
     pretrain_mode: bool = Field(False, description="Loss on all tokens, prompt included.")
     multiturn: bool = Field(False, description="Rows are conversations under input_key (lists of {role, content}), "
                             "rendered with the chat template; the loss covers every assistant turn (OpenRLHF --multiturn).")
+    loss_token_mean: Literal["micro_batch", "window"] = Field(
+        "micro_batch", description="With gradient accumulation (train_batch_size > micro_train_batch_size x ranks): "
+        "micro_batch, each micro-batch's token mean and the step their mean (OpenRLHF's); window, one token mean over "
+        "every micro-batch of the optimizer step (TRL's, transformers' num_items_in_batch).")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | TRAIN_RUNTIME
 
@@ -78,5 +82,6 @@ def run(cfg: Config) -> store.Manifest:
                                      overlong=cfg.overlong, model_dir=model_dir)
     records, cut = tokenize(rows, where=cfg.dataset_uri)
     eval_records = tokenize(eval_rows, where=cfg.eval_dataset or cfg.dataset_uri)[0] if eval_rows else []
-    return train_and_commit(cfg, w, "sft", records, model_dir, tok, {}, {"rows": len(records), "truncated": cut},
+    return train_and_commit(cfg, w, "sft", records, model_dir, tok, {"loss_token_mean": cfg.loss_token_mean},
+                            {"rows": len(records), "truncated": cut},
                             model_uri=cfg.policy_uri, eval_records=eval_records)

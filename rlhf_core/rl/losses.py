@@ -53,14 +53,19 @@ def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
-def sft_loss(summed_logps: torch.Tensor, n_tokens: torch.Tensor) -> LossOutput:
+def sft_loss(summed_logps: torch.Tensor, n_tokens: torch.Tensor, per_token: float | None = None) -> LossOutput:
     """Token-level mean NLL of the response tokens (OpenRLHF's GPTLMLoss: every token of the batch weighs the
     same). summed_logps, n_tokens # (B,): each example's summed target log-probs and target count.
-    losses # (B,) are each example's share -sum logp_i / sum_j n_j, so losses.sum() is the batch loss;
-    metric nll is each example's own mean NLL.
-    e.g. sums [-6, -2] over [3, 1] tokens: shares [1.5, 0.5], batch loss 8 / 4 = 2.0; nll [2.0, 2.0]."""
+    losses # (B,) are each example's share -sum logp_i / D, so losses.sum() is the batch loss; metric nll is each
+    example's own mean NLL. D is this micro-batch's target count sum_j n_j (OpenRLHF), or `per_token`: with
+    gradient accumulation, the window's target count over its micro-batches (N_window / M), so that the mean of
+    the M micro-batch losses, which DeepSpeed's accumulation takes, is one token mean over the window (TRL's,
+    transformers' num_items_in_batch).
+    e.g. sums [-6, -2] over [3, 1] tokens: shares [1.5, 0.5], batch loss 8 / 4 = 2.0; nll [2.0, 2.0]; in a window
+    of 2 micro-batches with 10 targets (per_token 5): shares [1.2, 0.4], loss 1.6."""
     n = n_tokens.to(summed_logps.dtype)
-    return LossOutput(-summed_logps / n.sum().clamp(min=1), {"nll": (-summed_logps / n.clamp(min=1)).detach()})
+    d = n.sum().clamp(min=1) if per_token is None else per_token
+    return LossOutput(-summed_logps / d, {"nll": (-summed_logps / n.clamp(min=1)).detach()})
 
 
 def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
@@ -88,24 +93,35 @@ def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
-             label_smoothing: float = 0.0) -> LossOutput:
+             label_smoothing: float = 0.0, lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> LossOutput:
     """DPO family on summed response log-probs, all # (B,).
 
     h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r))
     sigmoid (DPO, arXiv:2305.18290 eq. 7) with cDPO label smoothing eps:
         -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
     ipo (arXiv:2310.12036 eq. 17, as in OpenRLHF):  (h - 1 / (2 beta))^2
-    implied rewards: beta (log pi - log ref) per response; accuracy = [r_c > r_r].
-    e.g. pc=-1, pr=-3, rc=-2, rr=-2, beta 0.5: h = 2, loss = -log sigmoid(1) = 0.3133, rewards 0.5 / -0.5.
+    ipo with `lengths` (the responses' token counts |y_c|, |y_r| # (B,); TRL's IPO, which its authors confirmed
+    to TRL is the paper's form): each response's log-ratio per token,
+        h = (log pi(y_c) - log ref(y_c)) / |y_c| - (log pi(y_r) - log ref(y_r)) / |y_r|
+    The same beta sets another target: a margin of 1 / (2 beta) in summed log-ratios, or per token (about |y|
+    times more in sum); docs/stages/dpo.md compares the two.
+    implied rewards: beta (log pi - log ref) per response (summed, either way); accuracy = [r_c > r_r].
+    e.g. pc=-1, pr=-3, rc=-2, rr=-2, beta 0.5: h = 2, loss = -log sigmoid(1) = 0.3133, rewards 0.5 / -0.5;
+    ipo: (2 - 1)^2 = 1; with lengths 2 and 4: h = 1/2 + 1/4 = 0.75, (0.75 - 1)^2 = 0.0625.
     """
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if lengths is not None and loss_type != "ipo":
+        raise ValueError(f"length-normalized log-ratios apply to the ipo loss only, not {loss_type!r}")
     h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)  # (B,)
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
     elif loss_type == "ipo":
         if label_smoothing:
             raise ValueError("label_smoothing (cDPO) applies to the sigmoid loss only, not ipo")
+        if lengths is not None:
+            n_c, n_r = (x.to(h.dtype).clamp(min=1) for x in lengths)
+            h = (policy_chosen - ref_chosen) / n_c - (policy_rejected - ref_rejected) / n_r
         losses = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss type {loss_type!r} (sigmoid or ipo)")

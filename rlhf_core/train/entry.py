@@ -171,6 +171,36 @@ def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     return lp, n, b.real_tokens
 
 
+def window_per_token(plan: BatchPlan, records: list[dict], step: int) -> float:
+    """loss_token_mean=window (sft): the loss targets of optimizer step `step`'s whole batch (every micro-batch of
+    every data-parallel rank) per micro-batch, N_window / M. DeepSpeed's accumulation takes the mean of the M
+    micro-batch losses (each divided by the accumulation steps, then averaged over the ranks), so dividing each
+    micro-batch's summed NLL by N_window / M makes the step's loss sum NLL / N_window: one token mean over the
+    window (TRL's, transformers' num_items_in_batch), where the default divides each micro-batch by its own count.
+    e.g. micro-batches of 3 + 2 and 4 + 1 targets: N_window 10, M 2 -> 5.0."""
+    from rlhf_core.train.batches import loss_targets
+
+    batch = plan.batch(step)
+    n = sum(int(loss_targets(records[i]["start"], len(records[i]["ids"])).sum()) for i in batch)
+    return n / math.ceil(len(batch) / plan.micro_batch_size)
+
+
+def step_figures(parts: list[dict[str, torch.Tensor]], class_means: dict[str, str]) -> dict[str, float]:
+    """The logged figures of one optimizer step from its micro-batches' per-example metrics `parts`: each metric's
+    mean over the micro-batches of its per-micro-batch means, except a metric of `class_means` (the method's
+    CLASS_MEANS: metric -> its 0/1 class metric), the mean over its class's examples (0.0 when the step has none).
+    e.g. kto rewards [0.1, 0.3 | -0.2, 0.5], desirable [1, 0 | 1, 1]: desirable_reward 0.4 / 3 = 0.1333 (the mean
+    of micro-batch means would give 0.4 / 4 = 0.1), undesirable_reward 0.3 / 1 = 0.3."""
+    out: dict[str, float] = {}
+    for met in parts:
+        for k, v in met.items():
+            out[k] = out.get(k, 0.0) + float(v.float().mean()) / len(parts)
+    for k, cls in class_means.items():
+        total, count = (sum(float(m[x].float().sum()) for m in parts) for x in (k, cls))
+        out[k] = total / count if count else 0.0
+    return out
+
+
 def evaluate(engine, spec: dict, method, records: list[dict], rank: int, world: int, pad_id: int) -> dict:
     """The method's metrics over `records` (the training set after training, or the eval records during it),
     in eval mode (no dropout): each per-example metric of `method.step` summed over every record (all ranks),
@@ -212,7 +242,8 @@ def last_epoch(history: list[dict], method, steps_per_epoch: int, samples_per_st
     if not steps or not hasattr(method, "summarize"):
         return {}
     keys = [k for k in steps[-1] if k not in ("step", "samples", "lr") and not k.startswith("eval_")]
-    totals = {k: sum(h[k] for h in steps) * samples_per_step for k in keys}
+    weight = getattr(method, "CLASS_MEANS", {})  # a class mean x its class's share: the class's sum per example
+    totals = {k: sum(h[k] * (h[weight[k]] if k in weight else 1) for h in steps) * samples_per_step for k in keys}
     return method.summarize(totals, len(steps) * samples_per_step)
 
 
@@ -439,15 +470,17 @@ def main(spec_ref: str) -> None:
     t0, tokens_done = time.time(), 0
     for step in range(start, total):
         faults.pause_step(spec.get("step_sleep") or 0.0)  # tests slow a job to kill it mid-run (runtime.faults)
-        acc: dict[str, float] = {}
+        parts = []
         lr = sched.get_last_lr()[0]  # this step's lr (the engine's step moves the schedule on)
+        step_spec = {**spec, "window_per_token": window_per_token(plan, records, step)} \
+            if spec.get("loss_token_mean") == "window" else spec
         for mb in plan.micro_batches(step, drank):
-            loss, met, ntok = method.step(engine, spec, [records[i] for i in mb], pad_id)
+            loss, met, ntok = method.step(engine, step_spec, [records[i] for i in mb], pad_id)
             engine.backward(loss)
             engine.step()
             tokens_done += ntok
-            for k, v in met.items():
-                acc[k] = acc.get(k, 0.0) + float(v.float().mean()) / len(plan.micro_batches(step, drank))
+            parts.append(met)
+        acc = step_figures(parts, getattr(method, "CLASS_MEANS", {}))
         history.append({"step": step + 1, "samples": plan.batch(step), "lr": lr, **acc})
         if tracker:
             tracker.log(history[-1])

@@ -15,6 +15,8 @@ A method module defines
     setup(engine, spec) -> dict           optional: called once after the engine is built; loads what else the
                                           step needs (e.g. kd's frozen teacher) and returns it as keys merged
                                           into the spec that step and summarize's pass receive
+    CLASS_MEANS: dict[str, str]           optional: metric -> a 0/1 metric naming its class; the metric is logged
+                                          per step as the mean over that class's examples (kto's class rewards)
 and the tokenization its stage uses (records are plain dicts: `ids`/`start` (an int, or [a, b) spans: batches.loss_targets),
 or `chosen_ids`/`rejected_ids`...;
 batches.seq_len orders them). The stage passes method-specific settings in the job spec; the spec's

@@ -30,6 +30,9 @@ from rlhf_core.train.batches import Encoder, _padded
 from rlhf_core.train.entry import _parts, batch_of, forward
 
 MODEL = "causal_lm"
+# Logged per step as class means (sum over the class's examples / their count, TRL's rewards/chosen and
+# rewards/rejected), not as means over the batch, which would scale them by the class's share
+CLASS_MEANS = {"desirable_reward": "desirable", "undesirable_reward": "undesirable"}
 
 
 def tokenize(rows: list[dict], tok, max_len: int, overlong: str = "truncate", where: str = "kto data", seed: int = 0,
@@ -173,7 +176,7 @@ def step(engine, spec: dict, recs: list[dict], pad_id: int):
         kl = _mean_over_ranks(kl)
     desirable = torch.tensor([r["desirable"] for r in recs], device=dev)
     o = losses.kto_loss(lp, ref, desirable, kl, spec["beta"], spec["desirable_loss_weight"], spec["undesirable_loss_weight"])
-    return o.losses.mean(), {"loss": o.losses.detach(), **o.metrics}, tokens
+    return o.losses.mean(), {"loss": o.losses.detach(), **o.metrics, "undesirable": 1 - o.metrics["desirable"]}, tokens
 
 
 def summarize(totals: dict[str, float], n: int) -> dict:
