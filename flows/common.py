@@ -377,6 +377,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         pm = by_stage["ppo"]["metrics"]
         row.update(ppo_reward_first=pm.get("first_reward"), ppo_reward_last=pm.get("last_reward"), ppo_kl=pm.get("last_kl"),
                    ppo_steps=pm.get("steps_done"))
+        if pm.get("eval_last"):  # eval_steps: the last held-out evaluation inside the run, and the best kept
+            row.update(ppo_eval_pass1=pm["eval_last"].get("eval_pass1"))
+        if pm.get("best_eval"):
+            row.update(ppo_best=pm["best_eval"]["value"], ppo_best_step=pm["best_eval"]["step"])
         fs, path = store.filesystem(by_stage["ppo"]["uri"], p.storage_options)
         with fs.open(store.join(path, "training_log.json")) as f:
             report.add_steps(k, json.load(f))

@@ -34,10 +34,12 @@ class Report:
         self.gate = None  # flows.promotion.Gate when the run has a promotion gate
 
     def add_steps(self, k: int, log: list[dict]) -> None:
-        """Iteration k's online-RL steps (the ppo stage's training_log.json): reward, KL, entropy per step."""
+        """Iteration k's online-RL steps (the ppo stage's training_log.json): reward, KL, entropy per step, and the
+        held-out evaluation's figures (eval_*) at the steps that evaluated."""
         for h in log:
             self.steps.append({"iteration": k, "step": len(self.steps) + 1, "reward": h.get("reward"),
-                               "kl": h.get("kl"), "entropy": h.get("entropy")})
+                               "kl": h.get("kl"), "entropy": h.get("entropy"),
+                               **{key: v for key, v in h.items() if key.startswith("eval_") and key != "eval_s"}})
 
     def _earlier_attempts(self, dead: dict | None) -> dict[str, float]:
         """Seconds of this run's earlier attempts, by lock token: as their last report.json said, and for an
@@ -192,6 +194,11 @@ class Report:
               f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
         md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
         calls.card(f"{key}-report", f"every artifact of the run ({done})", markdown="\n".join(md))
+        evals = [r for r in self.steps if any(c.startswith("eval_") for c in r)]
+        if evals:  # online RL's held-out evaluations inside the runs (the ppo stage's eval_steps)
+            ecols = ["iteration", "step", *sorted({c for r in evals for c in r if c.startswith("eval_")})]
+            calls.card(f"{key}-evaluations", f"held-out evaluations during training ({done})",
+                       table=[{c: round(r[c], 4) if isinstance(r.get(c), float) else r.get(c) for c in ecols} for r in evals])
         if self.gate and self.gate.promoted:
             self._promotion_card(done)
         # The image inline (a data: URI): the UI cannot open the store's file:// or s3:// URL of reward.png.

@@ -298,6 +298,22 @@ class Config(StageConfig):
                                   "a forward, a training step, a weight sync, a sleep or wake-up, a checkpoint) "
                                   "before it fails naming the role and the phase, instead of hanging on a role that "
                                   "never answers.")
+    eval_prompts_uri: str | None = Field(None, description="Held-out prompts evaluated during the run (--eval_dataset): "
+                                         "a committed prompts artifact or raw sources read as prompts_uri (input_key, "
+                                         "label_key, input_template, apply_chat_template), scored by the run's reward "
+                                         "source or agent.")
+    eval_split: str = Field("train", description="The split of eval_prompts_uri's raw sources (--eval_split).")
+    eval_steps: int = Field(0, ge=0, description="Evaluate every N steps and after the last (--eval_steps; 0: never).")
+    eval_n_samples_per_prompt: int = Field(4, ge=1, description="Samples per held-out prompt "
+                                           "(--eval_n_samples_per_prompt): eval_pass{n} is the mean over prompts of "
+                                           "their best sample's reward (pass@n with 0/1 rewards), eval_pass1 of their "
+                                           "mean reward.")
+    eval_temperature: float = Field(0.6, ge=0, description="Sampling temperature of the evaluation (--eval_temperature).")
+    eval_generate_max_len: int | None = Field(None, ge=1, description="New tokens per evaluation sample (default "
+                                              "generate_max_len).")
+    save_best_metric: str = Field("", description="Keep the policy of the best evaluation under best/ in the artifact, "
+                                  "by this figure of the training log, higher is better (--ckpt.best_metric_key; empty: "
+                                  "eval_pass1; none: keep none). A resumed run keeps its best so far.")
     save_steps: int = Field(0, ge=0, description="Checkpoint to {output_uri}/checkpoints every N steps (0: never).")
     max_ckpt_num: int = Field(1, ge=1, description="Checkpoints kept.")
     resume: bool = Field(True, description="Continue from the latest checkpoint; false deletes them.")
@@ -329,19 +345,25 @@ class Config(StageConfig):
         checks.check_all(self)
         return self
 
-def load_prompts(cfg: Config, tok) -> tuple[list[dict], list[list[int]], int]:
-    """Prompt rows, their token ids (last prompt_max_len tokens kept) and how many were truncated."""
-    uris = [u.strip() for u in cfg.prompts_uri.split(",") if u.strip()]
+def load_prompts(cfg: Config, tok, uri: str | None = None) -> tuple[list[dict], list[list[int]], int]:
+    """Prompt rows of prompts_uri (or the held-out `uri`), their token ids (last prompt_max_len tokens kept) and how
+    many were truncated."""
+    held_out = uri is not None
+    uri = uri or cfg.prompts_uri
+    uris = [u.strip() for u in uri.split(",") if u.strip()]
     if len(uris) == 1 and store.committed_any(uris[0], cfg.storage_options):
         table = store.read_table(uris[0], storage_options=cfg.storage_options)
         data.validate_table(table, "prompts", uris[0])
-        rows = table.to_pylist()[:cfg.max_samples]
+        rows = table.to_pylist()[:None if held_out else cfg.max_samples]
     else:
         fmt = data.Format(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
                           input_template=cfg.input_template)
-        rows = data.prompt_rows(data.load_mixture(uris, cfg.prompt_data_probs, cfg.max_samples, cfg.seed,
-                                                  cfg.storage_options), fmt, tok)
-    if len(rows) < cfg.rollout_batch_size:
+        rows = data.prompt_rows(data.load_mixture(uris, None if held_out else cfg.prompt_data_probs,
+                                                  None if held_out else cfg.max_samples, cfg.seed, cfg.storage_options,
+                                                  split=cfg.eval_split if held_out else "train"), fmt, tok)
+    if held_out and not rows:
+        raise data.DataError(f"eval_prompts_uri {uri}: no prompts")
+    if not held_out and len(rows) < cfg.rollout_batch_size:
         raise data.DataError(f"{cfg.prompts_uri}: {len(rows)} prompts, fewer than rollout_batch_size {cfg.rollout_batch_size}")
     bos = models.adds_bos(tok)
     ids = [models.prompt_ids(tok, r["prompt"], bos) for r in rows]  # one BOS where the tokenizer uses one
@@ -384,6 +406,8 @@ def run(cfg: Config) -> store.Manifest:
             inputs[name] = model_inputs.model_manifest(uri, cfg.storage_options)
     if cfg.pretrain_data and cfg.ptx_coef > 0:
         inputs["pretrain_data"] = data.source_manifest(cfg.pretrain_data.split(",")[0], cfg.storage_options)
+    if cfg.eval_prompts_uri:
+        inputs["eval_prompts"] = data.source_manifest(cfg.eval_prompts_uri.split(",")[0], cfg.storage_options)
     for name in ("reward_func_path", "agent_func_path", "agent_executor_path"):
         if getattr(cfg, name):
             inputs[name.removesuffix("_path")] = store.source_manifest(getattr(cfg, name), cfg.storage_options)
@@ -402,6 +426,7 @@ def run(cfg: Config) -> store.Manifest:
     # the model's refusals here; the host's (CUDA, flash_attn) too when the roles run on this host's local Ray
     attention.check(cfg.attn_implementation, policy_dir, host=cfg.ray_address is None)
     rows, prompt_ids, truncated = load_prompts(cfg, tok)
+    held_out = load_prompts(cfg, tok, cfg.eval_prompts_uri)[:2] if cfg.eval_prompts_uri else None
     # the roles get the models' URIs and fetch them into their own node's cache (rlhf_core.ppo.node_store); the
     # driver's copies (its own cache) serve the checks here
     dirs = {"policy": cfg.policy_uri, "reference": cfg.policy_uri if cfg.init_kl_coef > 0 else None,
@@ -463,20 +488,24 @@ def run(cfg: Config) -> store.Manifest:
         checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     result = loop.train(cfg, rows, prompt_ids, models.pad_id(tok, policy_dir), tok, dirs, spec, work, ckpt_uri,
                         w.fingerprint, cfg.storage_options, agent_cls, w, pretrain,  # rank 0 uploads the model into w
-                        None if gpus is not None else shapes)  # a cluster's GPUs: planned once joined
+                        None if gpus is not None else shapes, held_out)  # a cluster's GPUs: planned once joined
     if result["steps_done"] != result["planned_steps"]:
         raise TrainingIncomplete(f"ppo for {w.uri} stopped at step {result['steps_done']} of {result['planned_steps']}")
     history = result.pop("history")
     for sub in result.pop("tracked", []):  # the run's TensorBoard / W&B files, written as it went
         w.upload_dir(work / "tracking" / sub, sub)
     w.write_json("training_log.json", history)
+    if result.get("best_eval"):  # the best evaluation's policy, as the store holds it (a resumed run's too)
+        w.record_dir("best")
     if cfg.trace_memory:
         w.write_json("memory_timeline.json", json.loads((work / "memory_timeline.json").read_text()))
     first, last = history[0], history[-1]
     m = w.commit(metrics={**result, "prompts": len(rows), "prompts_truncated": truncated,
                           "first_reward": first["reward"], "last_reward": last["reward"], "last_kl": last["kl"],
                           "mean_step_s": sum(h["step_s"] for h in history) / len(history),
-                          "mean_weight_sync_s": sum(h["weight_sync_s"] for h in history) / len(history)})
+                          "mean_weight_sync_s": sum(h["weight_sync_s"] for h in history) / len(history),
+                          "eval_last": next(({k: v for k, v in h.items() if k.startswith("eval_")}
+                                             for h in reversed(history) if "eval_pass1" in h), None)})
     checkpoints.remove_all(ckpt_uri, cfg.storage_options)
     shutil.rmtree(work, ignore_errors=True)
     return m

@@ -371,8 +371,11 @@ def wire(cmd: Command, out: Converted, given: dict) -> None:
                 put(out, "reference", k, s["dpo"][k], c[("dpo", k)])
         put(out, "dpo", "dataset_uri", ref["output_uri"], "(the reference stage's output)")
         out.sections = {k: s[k] for k in ["prepare", "reference", "dpo"]}
-    if "eval_steps" in s[main] and "eval_dataset" not in s[main] and main != "generate":
+    held_out = "eval_dataset" in s[main] or "eval_prompts_uri" in s[main]  # the trainers' name, ppo's
+    if "eval_steps" in s[main] and not held_out and main != "generate":
         drop(out, main, "eval_steps", "no --eval_dataset, so no evaluation (OpenRLHF ignores it)")
+    if "eval_prompts_uri" in s[main] and not s[main].get("eval_steps"):
+        drop(out, main, "eval_prompts_uri", "--eval_steps -1 (its default): OpenRLHF never evaluates it")
     if s[main].get("save_hf_ckpt") and not s[main].get("save_steps"):  # OpenRLHF writes the HF folder with a checkpoint
         drop(out, main, "save_hf_ckpt", "no --save_steps, so no checkpoint and no HF folder beside one (OpenRLHF writes none either)")
     if main == "score":

@@ -19,6 +19,12 @@ def check_all(cfg) -> None:
 
 
 def settings(cfg) -> None:
+    if bool(getattr(cfg, "eval_prompts_uri", None)) != bool(getattr(cfg, "eval_steps", 0)):
+        raise ValueError("eval_prompts_uri and eval_steps go together: held-out prompts are evaluated every eval_steps "
+                         "steps (OpenRLHF --eval_dataset with --eval_steps); set both, or neither")
+    if getattr(cfg, "save_best_metric", "") not in ("", "none") and not getattr(cfg, "eval_steps", 0):
+        raise ValueError(f"save_best_metric {cfg.save_best_metric}: the best policy is chosen among evaluations "
+                         f"(eval_prompts_uri, eval_steps); set them, or drop save_best_metric")
     est, n = cfg.advantage_estimator, cfg.n_samples_per_prompt
     if est in rl_math.GROUPED and n < 2:
         raise ValueError(f"advantage_estimator {est} needs n_samples_per_prompt >= 2 (got {n}): its baseline "

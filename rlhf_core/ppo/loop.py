@@ -33,7 +33,7 @@ from rlhf_core.ppo import node_store, placement, plan
 from rlhf_core.ppo.feed import RolloutFeed
 from rlhf_core.ppo.placement import Roles
 
-from rlhf_core.ppo.rollout import rollout, rollout_logprob_gap
+from rlhf_core.ppo.rollout import evaluate, rollout, rollout_logprob_gap
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.devices import peak_memory_gb
 from rlhf_core.train import checkpoints
@@ -48,6 +48,7 @@ class State:
     moments: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     hf_files: list = field(default_factory=list)  # save_hf_ckpt: the HF folders uploaded so far, for the commit
+    best: dict | None = None  # the best evaluation so far: metric, value, step (its policy under best/)
 
 
 def _split(batch: dict, parts: int) -> list[dict]:
@@ -93,7 +94,8 @@ def learner_settings(cfg) -> dict:
 
 def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, tok, dirs: dict, reward_spec,
           work: Path, ckpt_uri: str, fingerprint: str, storage_options: dict | None = None, agent_cls=None,
-          writer=None, pretrain: list[list[int]] | None = None, shapes: dict | None = None) -> dict:
+          writer=None, pretrain: list[list[int]] | None = None, shapes: dict | None = None,
+          held_out: tuple[list[dict], list[list[int]]] | None = None) -> dict:
     """Run the whole online-RL job; returns {"history", "steps_done", "planned_steps", ...}. `dirs` names the
     models (a local folder, or a committed artifact / plain HF folder URI each role fetches into its own node's
     cache): policy, critic (gae) or None, reference (KL term) or None, reward_model or None. `tok` is the
@@ -102,7 +104,9 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
     (the stage checks it itself when their size is known before). `work`: the driver's own
     scratch folder. The trained model goes to `writer` (the stage's store.ArtifactWriter): uploaded by policy
     rank 0, its files recorded in the writer; the caller commits. `pretrain`: the PTX rows' token ids (every
-    policy rank draws its own micro-batches from them)."""
+    policy rank draws its own micro-batches from them). `held_out`: the evaluation's prompt rows and token ids
+    (eval_prompts_uri), evaluated every eval_steps steps and after the last (rollout.evaluate), the best policy by
+    save_best_metric kept under the artifact's best/."""
     from rlhf_core.rollout.generation import _ray_up
 
     R, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
@@ -132,8 +136,11 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             else:
                 log.warning("ppo: no GPU of the cluster told its memory: the memory plan is not checked (set "
                             "gpu_memory_gb)")
+        longest = max(len(p) for p in prompt_ids) + cfg.generate_max_len
+        if held_out:
+            longest = max(longest, max(len(p) for p in held_out[1]) + (cfg.eval_generate_max_len or cfg.generate_max_len))
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
-                      max(len(p) for p in prompt_ids) + cfg.generate_max_len, reward_spec, gpus)
+                      longest, reward_spec, gpus)
         if pretrain:
             roles.wait([a.set_pretrain.remote(pretrain) for a in roles.policy], roles.policy, "setting up (PTX rows)")
         # the newest checkpoint whose every sha256 verifies, each rank checking the files it downloads into its
@@ -234,6 +241,11 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             feed.before_sync(step)  # async: the rollout that needs the weights before this update is done
             t_sync = roles.weights.sync() if actor_trained else 0.0
             feed.synced(step)
+            evaluated = {}
+            if held_out and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total):
+                roles.phase("generate")  # the engines hold the new weights: wake their KV cache
+                evaluated = evaluate(cfg, roles, *held_out, step + 1, tok, reward_spec, agent_cls)
+                state.best = _keep_best(cfg, roles, writer, state.best, evaluated, step + 1)
             seq_kl = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
             kl_ctl.update(seq_kl, R * n)
             rec = {"step": step + 1, "episode": episode + 1, "prompt_indices": idx, "reward": float(torch.tensor(raw).mean()),
@@ -241,7 +253,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
                    "response_length": float(mask.sum(-1).mean()), "advantage_abs": float((adv.abs() * mask).sum() / mask.sum()),
                    "rollout_logprob_gap": metrics.pop("rollout_logprob_gap", float("nan")) if old_logp is None
                    else rollout_logprob_gap(batch, old_logp), "old_logp_reused": old_logp is None,
-                   "actor_trained": actor_trained, **metrics, **extra,
+                   "actor_trained": actor_trained, **metrics, **extra, **evaluated,
                    "rollout_s": t_rollout, "reference_s": t_ref, "old_logp_s": t_old, "train_s": t_train,
                    "weight_sync_s": t_sync, "weight_sync_method": roles.weights.method,
                    "weight_sync_bytes": roles.weights.bytes if actor_trained else 0, "rollout_tokens_per_s": float(mask.sum()) / max(1e-9, exp0["rollout_s"]),
@@ -267,6 +279,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         _save_model(roles, writer, cfg.save_value_network)
         tracked, tracker = tracker.close() if tracker is not None else [], None
         return {"history": state.history, "steps_done": state.step, "planned_steps": total, "tracked": tracked,
+                "best_eval": state.best,
                 "resumed_from_step": resumed_from, "final_kl_coef": kl_ctl.value, "placement": dict(roles.plan),
                 "param_elements_per_rank": {kind: roles.wait([a.param_elements.remote() for a in group], group,
                                                              "reporting the parameters each rank holds")
@@ -346,6 +359,23 @@ def _fetch_checkpoint(roles: Roles, meta: dict, local: Path, storage_options: di
     if errors:
         raise checkpoints.CheckpointError(errors[0], meta["tag"])
     return dest
+
+
+def _keep_best(cfg, roles: Roles, writer, best: dict | None, evaluated: dict, step: int) -> dict | None:
+    """save_best_metric (OpenRLHF's --ckpt.best_metric_key, auto: its pass1): when this evaluation beats the best so
+    far, the policy goes to the artifact's best/ (an HF folder, and best/best.json naming metric, value and step)."""
+    key = cfg.save_best_metric or "eval_pass1"
+    if key == "none" or writer is None:
+        return best
+    if key not in evaluated:
+        raise ValueError(f"save_best_metric {key} is not a figure of the evaluation (it has {', '.join(sorted(evaluated))})")
+    if best is not None and evaluated[key] <= best["value"]:
+        return best
+    best = {"metric": key, "value": evaluated[key], "step": step}
+    _save_hf(roles, writer, "best")
+    writer.write_json("best/best.json", best)
+    log.info("ppo: new best %s %.4f at step %d: the policy is kept under best/", key, evaluated[key], step)
+    return best
 
 
 def _save_hf(roles: Roles, writer, sub: str) -> list[dict]:

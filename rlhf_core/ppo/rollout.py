@@ -154,3 +154,42 @@ def rollout_logprob_gap(batch: dict, policy_logp: torch.Tensor) -> float:
     weights (a stale engine is off by nats), the signal the off-policy corrections act on."""
     mask = batch["mask"]
     return float(((batch["rollout_logp"] - policy_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def evaluate(cfg, roles: Roles, rows: list[dict], prompt_ids: list[list[int]], step: int, tok, reward_spec,
+             agent_cls=None) -> dict:
+    """The held-out evaluation inside a run (OpenRLHF's --eval_dataset / --eval_steps): eval_n_samples_per_prompt
+    samples of every held-out prompt at eval_temperature through the rollout engines, rewarded as the training samples
+    are (the run's reward source, or the agent); the figures of `eval_figures`, and eval_s."""
+    n = cfg.eval_n_samples_per_prompt
+    ecfg = cfg.model_copy(update={"n_samples_per_prompt": n, "temperature": cfg.eval_temperature,
+                                  "generate_max_len": cfg.eval_generate_max_len or cfg.generate_max_len})
+    t0 = time.perf_counter()
+    eps, raw, _, _ = _episodes(ecfg, roles, rows, prompt_ids, list(range(len(rows))), step, tok, reward_spec,
+                               agent_cls, f"the evaluation at step {step}", 7919)
+    out = {**eval_figures(raw, n, [r.get("source") for r in rows], [len(e.ids) for e in eps],
+                          [e.finish_reason == "length" for e in eps]), "eval_s": time.perf_counter() - t0}
+    log.info("ppo step %d: evaluation on %d held-out prompts x %d: pass1 %.4f pass%d %.4f (%.1fs)", step, len(rows), n,
+             out["eval_pass1"], n, out[f"eval_pass{n}"], out["eval_s"])
+    return out
+
+
+def eval_figures(rewards: list[float], n: int, sources: list[str | None], lengths: list[int],
+                 truncated: list[bool]) -> dict:
+    """OpenRLHF's eval figures (ppo_trainer.py compute_eval_metrics) of n samples per prompt (`rewards`, `lengths`,
+    `truncated`: per sample, a prompt's n consecutive; `sources`: per prompt), over prompts: eval_pass{n} the mean of
+    the best sample's reward (pass@n with 0/1 rewards), eval_pass1 the mean of the mean reward; eval_response_length
+    the mean sampled tokens, eval_truncated_rate the share of samples cut by the length limit; per data source too
+    (eval_{source}_pass1, ...: the source's last path part) when the prompts come from several."""
+    srcs = [s or "" for s in sources]
+    out = {}
+    for src in [None] + (sorted(set(srcs)) if len(set(srcs)) > 1 else []):
+        keep = [i for i, s in enumerate(srcs) if src is None or s == src]
+        groups = [rewards[i * n:(i + 1) * n] for i in keep]
+        samples = [j for i in keep for j in range(i * n, (i + 1) * n)]
+        name = "eval" if src is None else f"eval_{src.rstrip('/').rsplit('/', 1)[-1]}"
+        out[f"{name}_pass{n}"] = sum(max(g) for g in groups) / len(groups)
+        out[f"{name}_pass1"] = sum(sum(g) / n for g in groups) / len(groups)
+        out[f"{name}_response_length"] = sum(lengths[j] for j in samples) / len(samples)
+        out[f"{name}_truncated_rate"] = sum(truncated[j] for j in samples) / len(samples)
+    return out

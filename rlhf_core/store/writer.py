@@ -160,6 +160,13 @@ class ArtifactWriter:
         paths = {e["path"] for e in entries}
         self.files = [f for f in self.files if f["path"] not in paths] + list(entries)
 
+    def record_dir(self, sub: str) -> None:
+        """Record for the commit every file now under `sub` of this prefix (written by another process, possibly by
+        an earlier attempt of this stage), with the size the store holds."""
+        top = join(self.path, sub)
+        for f in sorted(self.fs.find(top)) if self.fs.exists(top) else []:
+            self._record(sub + "/" + f[len(top.rstrip("/")) + 1:])
+
     def _note(self, names: set[str]) -> None:
         """Record top-level names in the journal BEFORE writing them, so a crashed writer's files read as ours."""
         if not names <= self._journal:
