@@ -384,6 +384,13 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         fs, path = store.filesystem(by_stage["ppo"]["uri"], p.storage_options)
         with fs.open(store.join(path, "training_log.json")) as f:
             report.add_steps(k, json.load(f))
+        files = store.read_manifest(by_stage["ppo"]["uri"], storage_options=p.storage_options).files
+        sampled = sorted(f["path"] for f in files if f["path"].startswith("rollouts/"))
+        if sampled:  # the last logged step's rollouts (rollout_samples_per_step), the report's rollouts card
+            import pyarrow.parquet as pq
+
+            with fs.open(store.join(path, sampled[-1])) as f:
+                report.rollouts = pq.read_table(f).to_pylist()
     for name in ("dpo", "kto", "sft", "kd"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]

@@ -31,6 +31,7 @@ class Report:
         self.eval_variants: dict[str, dict] = {}  # name -> eval settings of a second evaluation (columns *_{name})
         self.png = b""
         self.steps: list[dict] = []  # online RL: one row per training step over all iterations
+        self.rollouts: list[dict] = []  # online RL: the last logged step's sample of rollouts
         self.gate = None  # flows.promotion.Gate when the run has a promotion gate
 
     def add_steps(self, k: int, log: list[dict]) -> None:
@@ -194,6 +195,9 @@ class Report:
               f"Report: `{self.run_uri}/report.json` · Plot: `{self.run_uri}/reward.png`", "", "| artifact | URI |", "|---|---|"]
         md += [f"| {k} | `{v}` |" for k, v in self.links.items()]
         calls.card(f"{key}-report", f"every artifact of the run ({done})", markdown="\n".join(md))
+        if self.rollouts:
+            calls.card(f"{key}-rollouts", f"rollouts of step {self.rollouts[0]['step']} of the last iteration ({done})",
+                       table=[{c: round(v, 4) if isinstance(v, float) else v for c, v in r.items()} for r in self.rollouts])
         evals = [r for r in self.steps if any(c.startswith("eval_") for c in r)]
         if evals:  # online RL's held-out evaluations inside the runs (the ppo stage's eval_steps)
             ecols = ["iteration", "step", *sorted({c for r in evals for c in r if c.startswith("eval_")})]

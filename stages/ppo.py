@@ -30,6 +30,7 @@ generates on policy rank 0; agent_executor_path runs a file's AgentExecutor (Ope
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from typing import ClassVar, Literal
 
@@ -54,6 +55,8 @@ from stages.common import ConfigError, StageConfig
 
 from rlhf_core.ppo import plan
 from rlhf_core.ppo.placement import CUDA_ONLY, roles_on_gpus  # noqa: F401  (CUDA_ONLY: settings only GPUs run)
+
+log = logging.getLogger("rlhf_flows")
 
 
 class Config(StageConfig):
@@ -319,6 +322,12 @@ class Config(StageConfig):
     resume: bool = Field(True, description="Continue from the latest checkpoint; false deletes them.")
     log_steps: int = Field(1, ge=1, description="Log a step's line, and its row to TensorBoard / W&B, every N steps and "
                            "at the last (--logging_steps); training_log.json keeps every step.")
+    rollout_samples_per_step: int = Field(8, ge=0, description="Rollouts kept per logged step (prompt, completion, "
+                                          "reward, advantage, length, stop reason) in the artifact's "
+                                          "rollouts/step-NNNNNN.parquet, written as the run goes (0: none).")
+    peak_tflops_per_gpu: float | None = Field(None, gt=0, description="Peak dense TFLOP/s of one GPU in the training "
+                                              "dtype, for the per-step MFU; default: the bf16 figure of the GPU by name "
+                                              "(H100 / H200 989, A100 312, ...), none on CPUs or in fp32.")
     use_tensorboard: bool = Field(False, description="TensorBoard event files of the steps (every figure of "
                                   "training_log.json, the agent's extra_logs as agent_*) in the artifact's "
                                   "tensorboard/, written as the run goes (--use_tensorboard).")
@@ -331,7 +340,8 @@ class Config(StageConfig):
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "vllm_num_engines", "vllm_gpu_memory_utilization", "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
         "ray_address", "ray_timeout_s", "role_timeout_s", "accelerator", "gpu_memory_gb", "trace_memory", "save_steps", "max_ckpt_num", "resume", "save_hf_ckpt",
-        "log_steps", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name",
+        "log_steps", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name", "rollout_samples_per_step",
+        "peak_tflops_per_gpu",
         "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
         "weight_sync_backend", "weight_sync_bucket_mb", "vllm_tensor_parallel_size", "enable_prefix_caching",
         "enforce_eager", "ref_num_nodes", "ref_num_gpus_per_node", "ref_reward_offload", "adam_offload",
@@ -472,12 +482,17 @@ def run(cfg: Config) -> store.Manifest:
 
     # the memory plan (rlhf_core.ppo.plan): a run whose planned peak is over its GPUs' memory is refused here when
     # their size is known (given, or this host's for the stage's own Ray), else once the cluster is joined
-    shapes = plan.shapes_of(str(policy_dir), [str(model_input(u, cfg.storage_options)[0]) for u in rms],
-                            str(model_input(critic_src, cfg.storage_options)[0]) if critic_src else None)
     gpus, gpu_gb = roles_on_gpus(cfg), cfg.gpu_memory_gb
+    try:
+        shapes = plan.shapes_of(str(policy_dir), [str(model_input(u, cfg.storage_options)[0]) for u in rms],
+                                str(model_input(critic_src, cfg.storage_options)[0]) if critic_src else None)
+    except plan.PlanError as e:  # a layout the plan does not know (a mixture of experts): the run is not planned
+        if gpus is not False:
+            log.warning("ppo: the memory plan is not checked: %s", e)
+        shapes = None
     if gpus and gpu_gb is None and cfg.ray_address is None:
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / plan.GB
-    if gpus and gpu_gb:
+    if gpus and gpu_gb and shapes:
         plan.check(cfg, shapes, gpu_gb, reported=cfg.gpu_memory_gb is None)
 
     # 3. train on Ray (resuming from the store's latest checkpoint), then commit
@@ -497,6 +512,8 @@ def run(cfg: Config) -> store.Manifest:
     w.write_json("training_log.json", history)
     if result.get("best_eval"):  # the best evaluation's policy, as the store holds it (a resumed run's too)
         w.record_dir("best")
+    if cfg.rollout_samples_per_step:  # every logged step's sample, an interrupted attempt's too
+        w.record_dir("rollouts")
     if cfg.trace_memory:
         w.write_json("memory_timeline.json", json.loads((work / "memory_timeline.json").read_text()))
     first, last = history[0], history[-1]

@@ -178,20 +178,25 @@ class ArtifactWriter:
         size = self.fs.size(join(self.path, rel))
         self.files = [f for f in self.files if f["path"] != rel] + [{"path": rel, "size": size}]
 
-    def write_table(self, name: str, table: pa.Table, row_group_size: int = 65536) -> str:
+    def write_table(self, name: str, table: pa.Table, row_group_size: int = 65536, counted: bool = True) -> str:
+        """A parquet file under the prefix; `counted`: its rows and schema are the artifact's (False: a side table of
+        another kind of artifact, a ppo run's rollout samples)."""
         self._note({name.split("/", 1)[0]})
         check_fence()
         dest = join(self.path, name)
+        self.fs.makedirs(self.fs._parent(dest), exist_ok=True)
         with _space(self.uri, name), self.fs.open(dest, "wb") as f:
             pq.write_table(table, f, compression="zstd", row_group_size=row_group_size)
         self._record(name)
-        self.rows = (self.rows or 0) + table.num_rows
-        self.schema = {n: str(t) for n, t in zip(table.schema.names, table.schema.types)}
+        if counted:
+            self.rows = (self.rows or 0) + table.num_rows
+            self.schema = {n: str(t) for n, t in zip(table.schema.names, table.schema.types)}
         return join(self.uri, name)
 
     def write_json(self, name: str, obj: Any) -> str:
         self._note({name.split("/", 1)[0]})
         check_fence()
+        self.fs.makedirs(self.fs._parent(join(self.path, name)), exist_ok=True)
         with _space(self.uri, name), self.fs.open(join(self.path, name), "w") as f:
             f.write(json.dumps(obj, indent=2, sort_keys=True, default=str))
         self._record(name)

@@ -1,6 +1,7 @@
 """Evaluation inside a ppo run (issue 45 item 1; OpenRLHF's --eval_dataset / --eval_steps / --ckpt.best_metric_key):
 held-out prompts sampled through the rollout engines every eval_steps steps and after the last, OpenRLHF's pass@k
-figures in the training log, the best policy kept under best/, a resumed run keeping its best so far."""
+figures in the training log, the best policy kept under best/, a resumed run keeping its best so far; and a step you
+can see (item 5): its FLOPs, tokens per second per device of the run, MFU, a sample of its rollouts per logged step."""
 from __future__ import annotations
 
 import json
@@ -53,7 +54,11 @@ def test_a_run_evaluates_on_schedule_keeps_its_best_and_a_resume_keeps_it_too(ti
     """4 steps (16 prompts, 4 per step), held-out prompts evaluated after every second step and the last; a first
     attempt fails in step 3, after its step-2 checkpoint; the rerun resumes: the training log has the evaluation at
     steps 2 and 4 (the first from the failed attempt, restored), the best of them is the manifest's, best/best.json's
-    and its policy is under best/ in the artifact (the final policy when the best was the last)."""
+    and its policy is under best/ in the artifact (the final policy when the best was the last). Every step logs its
+    FLOPs (here 8 N per token: the rollout's forward, the policy's training forward and backward; the first training
+    forward serves as the old log-probs; no reference, critic or reward model), tokens per second over the run's 2
+    devices (policy and engine bundles) and MFU against peak_tflops_per_gpu; every logged step (2 and 4, log_steps 2)
+    left 3 rollouts in rollouts/, the failed attempt's included."""
     prompts, held = tmp_path / "prompts.jsonl", tmp_path / "held-out.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(16, 0)))
     held.write_text("\n".join(json.dumps({**r, "source": "demo"}) for r in demo_task.prompts(3, 0, held_out=True)))
@@ -72,7 +77,8 @@ def test_a_run_evaluates_on_schedule_keeps_its_best_and_a_resume_keeps_it_too(ti
                      advantage_estimator="group_norm", n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=8,
                      micro_train_batch_size=8, lr_warmup_ratio=0.0, init_kl_coef=0.0, rollout_backend="hf",
                      eval_prompts_uri=str(held), eval_steps=2, eval_n_samples_per_prompt=3, eval_temperature=0.8,
-                     eval_generate_max_len=4, save_steps=2)
+                     eval_generate_max_len=4, save_steps=2, log_steps=2, rollout_samples_per_step=3,
+                     peak_tflops_per_gpu=0.5)
     (tmp_path / "armed").write_text("")
     with pytest.raises(Exception, match="the node went away in step 3"):
         ppo.run(cfg)
@@ -96,3 +102,23 @@ def test_a_run_evaluates_on_schedule_keeps_its_best_and_a_resume_keeps_it_too(ti
     same = all(torch.equal(best[k], final[k]) for k in final)
     assert same == (best_step == 4)
     store.read_manifest(str(out))  # the commit lists what the store holds (sizes checked)
+
+    from transformers import AutoModelForCausalLM
+
+    N = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny.policy_dir)).parameters())
+    for h in history:
+        tokens = h["step_tflops"] * 1e12 / (8 * N)  # forward 2N + train 6N per token of the batch
+        assert h["old_logp_reused"] and 8 * 2 <= tokens <= 8 * 80 and tokens == pytest.approx(round(tokens))  # 8 rows
+        work_s = h["step_s"] - h.get("eval_s", 0.0)
+        assert h["devices"] == 2 and h["tokens_per_s_per_device"] == pytest.approx(tokens / work_s / 2)
+        assert h["mfu"] == pytest.approx(h["step_tflops"] / work_s / (2 * 0.5))
+    assert sorted(p for p in listed if p.startswith("rollouts/")) == ["rollouts/step-000002.parquet",
+                                                                      "rollouts/step-000004.parquet"]
+    import pyarrow.parquet as pq
+
+    sample = pq.read_table(out / "rollouts" / "step-000004.parquet").to_pylist()
+    assert len(sample) == 3 and [r["sample_index"] for r in sample] == [0, 1, 0]
+    assert set(sample[0]) == {"step", "prompt_index", "sample_index", "prompt", "completion", "reward", "advantage",
+                              "length", "stop_reason"}
+    assert all(r["step"] == 4 and 1 <= r["length"] <= 6 and r["stop_reason"] in ("stop", "length") for r in sample)
+    assert sample[0]["prompt"] == sample[1]["prompt"] and sample[0]["advantage"] == pytest.approx(-sample[1]["advantage"])
