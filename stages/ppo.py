@@ -78,6 +78,13 @@ class Config(StageConfig):
     remote_rm_url: str | None = Field(None, description="HTTP reward server (OpenRLHF serve_rm shape).")
     reward_max_len: int = Field(1024, ge=2, description="Max tokens the reward model scores.")
     critic_uri: str | None = Field(None, description="Critic initialisation for gae (--critic_pretrain); default the reward model.")
+    teacher_uri: str | None = Field(None, description="On-policy distillation: the teacher(s), HF causal LMs with the "
+                                    "policy's tokenizer (comma-separated for several), each on its own rank: teacher_coef "
+                                    "x (log pi_teacher(y_t) - log pi(y_t)) of every sampled token is added to its "
+                                    "advantage (the negative per-token reverse KL; several: their mean log-prob). With "
+                                    "advantage_estimator distill it is the whole advantage and no reward source is "
+                                    "needed; with another estimator it is mixed with the reward's.")
+    teacher_coef: float = Field(1.0, gt=0, description="Weight of the teacher's per-token term in the advantage.")
     advantage_estimator: Literal[rl_math.ESTIMATORS] = Field("gae", description=" | ".join(rl_math.ESTIMATORS))
     n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (>= 2 for group estimators).")
     rollout_batch_size: int = Field(8, ge=1, description="Prompts per step.")
@@ -408,10 +415,12 @@ def run(cfg: Config) -> store.Manifest:
 
     # 1. lineage, and the skip
     rms = [u.strip() for u in (cfg.reward_model_uri or "").split(",") if u.strip()]  # --reward_pretrain a,b
+    teachers = [u.strip() for u in (cfg.teacher_uri or "").split(",") if u.strip()]
     critic_src = cfg.critic_uri or (rms[0] if rms and cfg.advantage_estimator == "gae" else None)  # OpenRLHF: the first
     inputs = {"policy": model_inputs.model_manifest(cfg.policy_uri, cfg.storage_options),
               "prompts": data.source_manifest(cfg.prompts_uri.split(",")[0], cfg.storage_options)}
-    for name, uri in [(f"reward_model{i or ''}", u) for i, u in enumerate(rms)] + [("critic", critic_src)]:
+    for name, uri in [(f"reward_model{i or ''}", u) for i, u in enumerate(rms)] + [("critic", critic_src)] + \
+            [(f"teacher{i or ''}", u) for i, u in enumerate(teachers)]:
         if uri:
             inputs[name] = model_inputs.model_manifest(uri, cfg.storage_options)
     if cfg.pretrain_data and cfg.ptx_coef > 0:
@@ -440,7 +449,13 @@ def run(cfg: Config) -> store.Manifest:
     # the roles get the models' URIs and fetch them into their own node's cache (rlhf_core.ppo.node_store); the
     # driver's copies (its own cache) serve the checks here
     dirs = {"policy": cfg.policy_uri, "reference": cfg.policy_uri if cfg.init_kl_coef > 0 else None,
-            "critic": critic_src, "reward_model": cfg.reward_model_uri}
+            "critic": critic_src, "reward_model": cfg.reward_model_uri, "teachers": teachers}
+    for uri in teachers:  # the teacher scores the student's token ids: the same tokenizer, or nothing it says is right
+        ttok = models.load_tokenizer(model_input(uri, cfg.storage_options)[0], where=uri)
+        if ttok.get_vocab() != tok.get_vocab():
+            differ = sorted(set(ttok.get_vocab().items()) ^ set(tok.get_vocab().items()))[:3]
+            raise ConfigError(f"teacher {uri} uses a different tokenizer than policy {cfg.policy_uri} ({len(ttok)} vs "
+                              f"{len(tok)} tokens; e.g. {differ}): it cannot score the policy's token ids")
     for uri in rms:
         check_reward_model(rm_dir := str(model_input(uri, cfg.storage_options)[0]), head_prefix(rm_dir, cfg.value_head_prefix))
     if critic_src:
@@ -460,7 +475,8 @@ def run(cfg: Config) -> store.Manifest:
                       value_head_prefix=cfg.value_head_prefix,
                       max_len=cfg.reward_max_len, storage_options=cfg.storage_options, normalize=cfg.normalize_reward,
                       dtype="bfloat16" if cfg.bf16 else "float32",
-                      batch_size=cfg.micro_rollout_batch_size or cfg.micro_train_batch_size)
+                      batch_size=cfg.micro_rollout_batch_size or cfg.micro_train_batch_size) \
+        if cfg.reward_model_uri or cfg.reward_func_path or cfg.remote_rm_url else None  # None: distillation alone
     agent_cls = None
     if cfg.agent_executor_path:  # an executor of its own runs the episodes (rlhf_core.rollout.episodes.CustomExecutor)
         agent_cls = agent.load_executor(cfg.agent_executor_path)
@@ -469,7 +485,7 @@ def run(cfg: Config) -> store.Manifest:
         if not getattr(agent_cls, "__is_executor__", False):  # reset + one step with an empty action, first batch
             probe = rows[:cfg.rollout_batch_size]
             episodes.run_sync(episodes.probe(agent_cls, [(i, r["prompt"], [], r.get("label")) for i, r in enumerate(probe)]))
-    elif not cfg.reward_model_uri:  # probe the function / server on the first batch's prompts, empty responses
+    elif spec is not None and not cfg.reward_model_uri:  # probe the function / server: first prompts, empty responses
         probe = rows[:cfg.rollout_batch_size]
         try:
             compute_rewards(spec, [r["prompt"] for r in probe], [""] * len(probe), [r.get("label") for r in probe])
@@ -485,7 +501,8 @@ def run(cfg: Config) -> store.Manifest:
     gpus, gpu_gb = roles_on_gpus(cfg), cfg.gpu_memory_gb
     try:
         shapes = plan.shapes_of(str(policy_dir), [str(model_input(u, cfg.storage_options)[0]) for u in rms],
-                                str(model_input(critic_src, cfg.storage_options)[0]) if critic_src else None)
+                                str(model_input(critic_src, cfg.storage_options)[0]) if critic_src else None,
+                                teachers=[str(model_input(u, cfg.storage_options)[0]) for u in teachers])
     except plan.PlanError as e:  # a layout the plan does not know (a mixture of experts): the run is not planned
         if gpus is not False:
             log.warning("ppo: the memory plan is not checked: %s", e)

@@ -22,6 +22,10 @@ def settings(cfg) -> None:
     if bool(getattr(cfg, "eval_prompts_uri", None)) != bool(getattr(cfg, "eval_steps", 0)):
         raise ValueError("eval_prompts_uri and eval_steps go together: held-out prompts are evaluated every eval_steps "
                          "steps (OpenRLHF --eval_dataset with --eval_steps); set both, or neither")
+    if getattr(cfg, "eval_prompts_uri", None) and not any(getattr(cfg, k) for k in (
+            "reward_model_uri", "reward_func_path", "remote_rm_url", "agent_func_path", "agent_executor_path")):
+        raise ValueError("eval_prompts_uri: the evaluation scores its samples with the run's reward source or agent, "
+                         "and this run has none (distillation alone): give one, or drop the evaluation")
     if getattr(cfg, "save_best_metric", "") not in ("", "none") and not getattr(cfg, "eval_steps", 0):
         raise ValueError(f"save_best_metric {cfg.save_best_metric}: the best policy is chosen among evaluations "
                          f"(eval_prompts_uri, eval_steps); set them, or drop save_best_metric")
@@ -40,9 +44,14 @@ def settings(cfg) -> None:
     if agent_file and given:
         raise ValueError(f"{'agent_func_path' if cfg.agent_func_path else 'agent_executor_path'} gives the "
                          f"rewards (the episode's 'rewards'): drop {given}")
-    if len(given) != 1 and not agent_file:
+    teachers = getattr(cfg, "teacher_uri", None)
+    if est == "distill" and not teachers:
+        raise ValueError("advantage_estimator distill (on-policy distillation) needs teacher_uri: the teacher's "
+                         "log-probs of the student's samples are its advantage")
+    if len(given) > 1 or not given and not agent_file and est != "distill":
         raise ValueError(f"set exactly one reward source of reward_model_uri, reward_func_path, remote_rm_url "
-                         f"(got {given or 'none'}), or an agent_func_path / agent_executor_path")
+                         f"(got {given or 'none'}), or an agent_func_path / agent_executor_path"
+                         f"{' (advantage_estimator distill needs none: the teacher gives the signal)' if teachers else ''}")
     if est == "gae" and not (cfg.critic_uri or cfg.reward_model_uri):
         raise ValueError("advantage_estimator gae needs a critic: set critic_uri (critic_pretrain) or a "
                          "reward_model_uri to initialise it from")
@@ -198,7 +207,8 @@ def devices(cfg) -> None:
     if cfg.ray_address is None:  # the stage's local Ray gets this host's CPUs and GPUs
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node if cfg.advantage_estimator == "gae" else 0
-        plan = bundle_plan(cfg, world, cworld, cfg.init_kl_coef > 0, bool(cfg.reward_model_uri))
+        teachers = len([u for u in (getattr(cfg, "teacher_uri", None) or "").split(",") if u.strip()])
+        plan = bundle_plan(cfg, world, cworld, cfg.init_kl_coef > 0, bool(cfg.reward_model_uri), teachers)
         n, cpus = 1 + max(b for _, b in plan), os.cpu_count() or 1
         check_resources(plan, {"CPU": cpus, "GPU": torch.cuda.device_count()}, bool(gpus),
                         max(0.01, min(1.0, cpus / n)))

@@ -140,7 +140,7 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
         if held_out:
             longest = max(longest, max(len(p) for p in held_out[1]) + (cfg.eval_generate_max_len or cfg.generate_max_len))
         roles = Roles(cfg, dirs["policy"], dirs["critic"], dirs["reference"], dirs["reward_model"], opt_steps, hp,
-                      longest, reward_spec, gpus)
+                      longest, reward_spec, gpus, dirs.get("teachers") or [])
         if pretrain:
             roles.wait([a.set_pretrain.remote(pretrain) for a in roles.policy], roles.policy, "setting up (PTX rows)")
         # the newest checkpoint whose every sha256 verifies, each rank checking the files it downloads into its
@@ -223,6 +223,14 @@ def train(cfg, prompts: list[dict], prompt_ids: list[list[int]], pad_id: int, to
             adv, ret = rl_math.advantages_and_returns(cfg.advantage_estimator, scores, mask, n, kl, reward_kl,
                                                       cfg.gamma, cfg.lambd, values, clip,
                                                       std_norm=not cfg.no_advantage_std_norm)
+            if roles.teachers:  # on-policy distillation: each sampled token's teacher term (rl_math.distill_advantages)
+                t0 = time.perf_counter()
+                student = old_logp if old_logp is not None else batch["rollout_logp"]  # the sampling policy's
+                teacher = [_forward(roles, [t], batch, f"teacher{j} log-probs") for j, t in enumerate(roles.teachers)]
+                term = rl_math.distill_advantages(student, teacher, mask, cfg.teacher_coef)
+                adv, ret = adv + term, ret + term
+                extra = {**extra, "distill_kl": float(-(term * mask).sum() / mask.sum().clamp(min=1) / cfg.teacher_coef),
+                         "teacher_s": time.perf_counter() - t0}
             exp = {**batch, "adv": adv, "returns": ret}
             if old_logp is not None:
                 exp["old_logp"] = old_logp
@@ -331,6 +339,7 @@ def _model_sizes(roles: Roles, cfg) -> dict:
     out = {"policy": total(roles.policy, cfg.zero_stage == 3),
            "critic": total(roles.critic, cfg.zero_stage == 3) if roles.critic else 0,
            "reward": total(roles.rewards, plan.reward_ranks(cfg)[1]) if roles.rewards else 0,
+           "teachers": sum(total([t], False) for t in roles.teachers),
            "devices": 1 + max(b for _, b in roles.plan)}
     peak = getattr(cfg, "peak_tflops_per_gpu", None)
     if peak is None and roles.gpus and cfg.bf16:
@@ -348,11 +357,13 @@ def _throughput(cfg, sizes: dict, batch: dict, step_s: float, old_reused: bool, 
     too) and MFU (those FLOPs over the devices' peak for the step's seconds, when the peak is known). FLOPs: 2N per
     token a model forwards, 6N per token it trains on (forward and backward; Kaplan et al. 2020, arXiv:2001.08361
     sec. 2.1), over the batch's tokens (prompt and response): the rollout's generation, the old log-probs (unless
-    the training forward serves), the reference, the critic's values, the reward model, and max_epochs updates of the
+    the training forward serves), the reference, the critic's values, the reward model, distillation teachers, and
+    max_epochs updates of the
     policy (and critic); attention's context term is left out (small at these lengths) and a mixture of experts is
     counted with all its parameters (an overestimate)."""
     tokens = float(batch["attn"].sum())
-    forwards = sizes["policy"] * (1 + (not old_reused)) + sizes["policy"] * use_ref + sizes["critic"] + sizes["reward"]
+    forwards = sizes["policy"] * (1 + (not old_reused)) + sizes["policy"] * use_ref + sizes["critic"] + sizes["reward"] + \
+        sizes.get("teachers", 0)
     trains = cfg.max_epochs * (sizes["policy"] * trained + sizes["critic"] * critic)
     flops = tokens * (2 * forwards + 6 * trains)
     out = {"step_tflops": flops / 1e12, "devices": sizes["devices"],

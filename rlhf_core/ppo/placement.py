@@ -198,8 +198,10 @@ class Roles:
     loads into them then); the first phase change puts them to sleep before any engine wakes (`phase`)."""
 
     def __init__(self, cfg, policy_dir: str, critic_dir: str | None, ref_dir: str | None, reward_model_dir: str | None,
-                 total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None, gpus: bool | None = None):
-        """`gpus`: the roles reserve GPUs (roles_on_gpus; default: ask the cluster joined)."""
+                 total_opt_steps: int, hp: dict, max_model_len: int, reward_spec=None, gpus: bool | None = None,
+                 teacher_dirs: list[str] = ()):
+        """`gpus`: the roles reserve GPUs (roles_on_gpus; default: ask the cluster joined). `teacher_dirs`: on-policy
+        distillation's teachers, one Reference rank each (a frozen LM's log-probs of the student's samples)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -211,7 +213,8 @@ class Roles:
         gpus = roles_on_gpus(cfg, ray.cluster_resources()) if gpus is None else gpus
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node
-        self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir))
+        self.plan = bundle_plan(cfg, world, cworld if critic_dir else 0, bool(ref_dir), bool(reward_model_dir),
+                                len(teacher_dirs))
         self.cfg, self.hp, self.state, self.gpus = cfg, hp, {}, gpus  # state: a sleeping role's (plan.role_states)
         self.timeout = cfg.role_timeout_s
         self.timeline = timeline.Timeline() if getattr(cfg, "trace_memory", False) else None
@@ -302,6 +305,7 @@ class Roles:
                               offload=hp["ref_reward_offload"], rank=r, world=n_rm, sharded=sharded)
                         for r in range(n_rm)] if rms else []
         self.reward = self.rewards[0] if self.rewards else None
+        self.teachers = [place(f"teacher{j}", Reference, d, hp, gpus=gpu) for j, d in enumerate(teacher_dirs)]
         # each group's rank 0 binds its rendezvous port: chosen on rank 0's host, not here; then every setup at once
         groups = [(g, (lambda a, addr, port, d=d: a.setup.remote(d, hp, addr, port, total_opt_steps)))
                   for g, d in ((self.policy, policy_dir), (self.critic, critic_dir)) if g]

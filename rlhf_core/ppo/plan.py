@@ -135,14 +135,15 @@ def reward_ranks(cfg) -> tuple[int, bool]:
     return n, n > 1 and cfg.zero_stage == 3
 
 
-def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> list[tuple[str, int]]:
+def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool, teachers: int = 0) -> list[tuple[str, int]]:
     """(role, placement-group bundle) for every actor, in the order Roles creates them: policy ranks, critic
     ranks, reference ranks ("reference" for one, "reference0".. for ZeRO-3 ranks: ref_num_nodes x
     ref_num_gpus_per_node), reward ranks ("reward" for one, "reward0".. for reward_num_nodes x
-    reward_num_gpus_per_node), rollout engines ("rollout{j}", and "rollout{j}.tp{k}" for the bundles of
-    its tensor-parallel workers k = 1 .. vllm_tensor_parallel_size - 1, which the engine starts itself). Each
-    gets its own bundle, except (OpenRLHF's flags): colocate_all_models puts critic rank i, reference rank i,
-    reward rank i and engine j's TP rank k on policy rank (i, i or j x TP + k) mod world's bundle (the
+    reward_num_gpus_per_node), distillation teachers ("teacher{j}", one rank each), rollout engines ("rollout{j}",
+    and "rollout{j}.tp{k}" for the bundles of its tensor-parallel workers k = 1 .. vllm_tensor_parallel_size - 1,
+    which the engine starts itself). Each gets its own bundle, except (OpenRLHF's flags): colocate_all_models puts
+    critic rank i, reference rank i, reward rank i, teacher j and engine j's TP rank k on policy rank (i, i, i, j or
+    j x TP + k) mod world's bundle (the
     hybrid engine); colocate_actor_ref puts reference rank i on policy rank i's bundle; colocate_critic_reward
     puts reward rank i on critic rank i mod cworld's bundle."""
     plan = [(f"policy{r}", r) for r in range(world)]
@@ -167,6 +168,8 @@ def bundle_plan(cfg, world: int, cworld: int, reference: bool, reward: bool) -> 
             critic = critics.get(f"critic{r % cworld}") if cworld else None
             add("reward" if n == 1 else f"reward{r}",
                 r % world if every else critic if cfg.colocate_critic_reward and critic is not None else None)
+    for j in range(teachers):  # on-policy distillation's teachers: one rank each, on a policy rank's bundle colocated
+        add(f"teacher{j}", j % world if every else None)
     for j in range(cfg.vllm_num_engines):
         for k in range(tp):
             add(f"rollout{j}" + (f".tp{k}" if k else ""), (j * tp + k) % world if every else None)
@@ -337,8 +340,8 @@ def plan(cfg, shapes: dict[str, Shape], gpu_gb: float, legacy: bool = False, rep
     world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
     cworld = cfg.critic_num_nodes * cfg.critic_num_gpus_per_node if cfg.advantage_estimator == "gae" else 0
     rworld = cfg.ref_num_nodes * cfg.ref_num_gpus_per_node
-    has_ref, rms = cfg.init_kl_coef > 0, shapes.get("reward") or []
-    where = bundle_plan(cfg, world, cworld, has_ref, bool(rms))
+    has_ref, rms, teachers = cfg.init_kl_coef > 0, shapes.get("reward") or [], shapes.get("teacher") or []
+    where = bundle_plan(cfg, world, cworld, has_ref, bool(rms), len(teachers))
     b = 2 if cfg.bf16 else 4
     engine_gpus = {g for n, g in where if n.startswith("rollout")}
     shared = bool(engine_gpus & {g for n, g in where if not n.startswith("rollout")})
@@ -412,6 +415,8 @@ def _role(cfg, shapes, name, learner, engine, activity, world, cworld, rworld, r
         return out
     if kind == "reference":
         return _reference(cfg, shapes["policy"], rworld, b, activity)
+    if kind == "teacher":  # a reference-like forward of the student's samples, with the teacher's sizes
+        return _reference(cfg, shapes["teacher"][int(name[len(kind):])], 1, b, activity)
     if kind == "reward":
         return _reward(cfg, rms, b, activity, *reward_ranks(cfg))
     return _engine(cfg, shapes["policy"], b, activity, engine, gpu_gb, name)
@@ -580,11 +585,12 @@ def _engine(cfg, s: Shape, b: int, activity: str | None, state: str, gpu_gb: flo
 
 
 def shapes_of(policy: str, reward_models: list[str] = (), critic: str | None = None,
-              storage_options: dict | None = None) -> dict:
+              storage_options: dict | None = None, teachers: list[str] = ()) -> dict:
     """`plan`'s shapes from the models' config.json (folders or URIs): the policy (also the reference and the
-    engines), the critic and every reward model (score heads)."""
+    engines), the critic, every reward model (score heads) and every distillation teacher (LM heads)."""
     out = {"policy": shape(read_config(policy, storage_options), "lm", f"{policy}/config.json"),
-           "reward": [shape(read_config(u, storage_options), "score", f"{u}/config.json") for u in reward_models]}
+           "reward": [shape(read_config(u, storage_options), "score", f"{u}/config.json") for u in reward_models],
+           "teacher": [shape(read_config(u, storage_options), "lm", f"{u}/config.json") for u in teachers]}
     if critic:
         out["critic"] = shape(read_config(critic, storage_options), "score", f"{critic}/config.json")
     return out

@@ -87,6 +87,8 @@ def _episodes(cfg, roles: Roles, prompts, prompt_ids, idx, step, tok, reward_spe
         raise RolloutError(str(e)) from None
     if agent_cls is not None:
         return eps, [e.reward for e in eps], [e.score for e in eps], {}
+    if reward_spec is None and roles.reward is None:  # on-policy distillation alone: the teacher is the signal
+        return eps, [0.0] * len(eps), [0.0] * len(eps), {}
     t0 = time.perf_counter()
     raw, scores, extra = rewards_for(cfg, reward_spec, roles, [it[1] for it in items], [e.text for e in eps],
                                      [it[3] for it in items], where, [e.finish_reason != "length" for e in eps])

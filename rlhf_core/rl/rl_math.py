@@ -35,8 +35,9 @@ import torch
 
 from rlhf_core.rl.losses import reduce_tokens
 
-Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
-ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill"]
+# distill: on-policy distillation alone, no reward in the advantage (distill_advantages is the whole of it)
+ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill")
 GROUPED = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # need n_samples_per_prompt >= 2
 GLOBALLY_NORMALISED = ("gae", "reinforce", "reinforce_baseline")  # OpenRLHF whitens these over the batch
 Aggregation = Literal["token", "sequence", "seq-sum-norm"]
@@ -127,6 +128,8 @@ def shape_scores(scores: torch.Tensor, n: int, estimator: str, eps: float = 1e-9
     [0.7] * 8 -> [0] * 8 for every grouped estimator."""
     if estimator in ("gae", "reinforce"):
         return scores.float()
+    if estimator == "distill":  # the teacher's per-token term is the advantage (distill_advantages): no score in it
+        return torch.zeros_like(scores, dtype=torch.float32)
     if estimator not in GROUPED:
         raise ValueError(f"unknown advantage_estimator {estimator!r}; choose one of {list(ESTIMATORS)}")
     if n < 2 or scores.numel() % n:
@@ -217,6 +220,21 @@ def advantages_and_returns(estimator: str, scores: torch.Tensor, mask: torch.Ten
     if estimator in GLOBALLY_NORMALISED:
         adv = whiten(adv, mask, std_norm=std_norm)
     return adv, ret
+
+
+def distill_advantages(student_logp: torch.Tensor, teacher_logps: list[torch.Tensor], mask: torch.Tensor,
+                       coef: float = 1.0) -> torch.Tensor:
+    """On-policy distillation's per-token advantage # (B, T): coef x (log pi_T(y_t) - log pi(y_t)) over the sampled
+    tokens `mask` # (B, T), from the student's log-probs of its own samples and each teacher's of the same tokens
+    (several teachers: the mean of their log-probs). The sampled token's negative reverse-KL estimate: its expectation
+    under the student is -KL(pi || pi_T) at that prefix, so with it as a (per-token, undiscounted) advantage the policy
+    gradient is in expectation the gradient of -KL(pi || pi_T) summed over the sampled prefixes, what TRL's
+    DistillationTrainer minimises with beta = 1 exactly over the vocabulary (Agarwal et al., On-Policy Distillation of
+    Language Models, arXiv:2306.13649); here one teacher log-prob per token crosses between roles, never (B, T, V).
+    e.g. student [-1.0, -2.0], teachers [-0.5, -2.5] and [-1.5, -1.5]: mean [-1.0, -2.0] -> [0, 0]; with the first
+    alone: [0.5, -0.5]."""
+    teacher = torch.stack([t.float() for t in teacher_logps]).mean(0)
+    return coef * (teacher - student_logp.float()) * mask
 
 
 # ---------------------------------------------------------------------------------------------- losses
