@@ -63,7 +63,7 @@ def demo_inputs(root: str, run_name: str, seed: int = 0, storage_options: dict |
 # Fields a flow sets itself, beyond output_uri, storage_options and the input URIs it wires in.
 FLOW_SET = {"prepare": ("kind", "data", "split", "tokenizer_uri"), "filter": ("method",), "generate": ("iter",)}
 # Inputs that stay the user's in a section (every other *_uri / *_path / *_url / *_file field is wired by the flow).
-USER_INPUTS = {"kd": ("teacher_uri",), "ppo": ("critic_uri", "agent_func_path")}
+USER_INPUTS = {"kd": ("teacher_uri",), "ppo": ("critic_uri", "agent_func_path", "eval_prompts_uri", "teacher_uri")}
 
 
 def _flow_sets(name: str, field: str) -> bool:
