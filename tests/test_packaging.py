@@ -51,7 +51,8 @@ def test_dockerfile_is_a_cuda_image_with_the_gpu_extra_and_the_project():
     import tomllib
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm", "bitsandbytes", "liger-kernel", "flash-attn"]
+    assert pyproject["project"]["optional-dependencies"]["gpu"] == ["vllm", "bitsandbytes", "liger-kernel>=0.8.2",
+                                                                    "flash-attn"]
     for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert f"COPY {package.rstrip('*')} {package.rstrip('*')}" in text, package
     workdir = next(ln.split()[1] for ln in lines if ln.startswith("WORKDIR"))
@@ -116,6 +117,12 @@ def test_gpu_constraints_pin_what_the_cpu_set_pins():
         if name in cpu and name != "torch":
             assert version == cpu[name], f"{name}: gpu {version} != cpu {cpu[name]}"
     assert {"prefect", "fastapi", "sqlalchemy", "transformers", "deepspeed", "ray"} <= set(gpu)
+    # Liger: the release with the reduction="none" gradient fix or newer, the bound the roles check at start
+    from packaging.version import Version
+
+    from rlhf_core.rl.logprobs import LIGER_MIN
+
+    assert Version(gpu["liger-kernel"]) >= Version(LIGER_MIN) == Version("0.8.2")
 
 
 @pytest.mark.slow
@@ -143,6 +150,7 @@ def test_gpu_image_install_resolves_to_the_tested_versions(tmp_path):
     assert got["prefect"] == pins["prefect"] and got["fastapi"] == pins["fastapi"]
     assert got["transformers"] == pins["transformers"] and got["bitsandbytes"] == pins["bitsandbytes"]
     assert got["flash-attn"] == pins["flash-attn"]
+    assert got["liger-kernel"] == pins["liger-kernel"]
 
 
 def test_every_deployment_s_parameters_validate_against_its_flow():

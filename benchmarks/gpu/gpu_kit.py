@@ -44,7 +44,10 @@ DEEPSPEED = "deepspeed==0.19.8"
 BASE = ["hjson==3.1.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
         "typing-inspection==0.4.5", "typing-extensions==4.16.0"]
 TRL = ["trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19"]
-LIGER = ["liger-kernel"]  # the current release: gpu_trainers.py checks use_liger_kernel and its log-probs against it
+# the release requirements/gpu-constraints.txt pins (>= 0.8.2, the roles check it): gpu_trainers.py checks
+# use_liger_kernel and the log-probs against it
+LIGER = [next(ln.strip() for ln in (ROOT / "requirements" / "gpu-constraints.txt").read_text().splitlines()
+              if ln.startswith("liger-kernel=="))]
 RAY = "ray==2.60.0"
 RAY_DEPS = ["jsonschema", "jsonschema-specifications", "referencing", "rpds-py"]
 

@@ -10,7 +10,7 @@ torch.cuda.max_memory_allocated above the start), the time the median of --repea
 
     .venv/bin/python benchmarks/parts/logprobs.py [--batch 4 --len 512 --repeats 3]
     python3 benchmarks/parts/logprobs.py --device cuda --dtype bf16 --hidden 1536 --layers 4 --batch 8 --len 1024 \\
-        --paths plain,chunked,fused,cce,liger      # on a lent GPU (cce / liger where installed)
+        --paths plain,chunked,fused,liger      # on a lent GPU (liger where installed)
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def one(a) -> dict:
         times.append(time.perf_counter() - t)
     return {"path": a.path, "autograd": grad, "s": statistics.median(times), "times": [round(x, 4) for x in times],
             "peak_gb": round(peak_gb, 3), "checksum": float((first * w).sum()),
-            "backend_used": logprobs.backend(model.get_output_embeddings(), ids, None) if a.path != "plain" else "plain"}
+            "backend_used": logprobs.backend(model.get_output_embeddings(), ids) if a.path != "plain" else "plain"}
 
 
 def main(a) -> None:

@@ -18,11 +18,13 @@ from rlhf_core.runtime.devices import device, to_device, to_host
 def model_kwargs(hp: dict, model_dir) -> dict:
     """from_pretrained's extra arguments of a role's model: the attention implementation (attn_implementation,
     OpenRLHF's --flash_attn = flash_attention_2), refused here, on the role's own host, when this host or the
-    model cannot run it (rlhf_core.train.attention.check names the field and what this host has)."""
+    model cannot run it (rlhf_core.train.attention.check names the field and what this host has); and the log-prob
+    backend RLHF_FLOWS_LOGPROBS names, checked here too (logprobs.check_backend: a liger-kernel too old or missing)."""
     from rlhf_core.train import attention
 
     impl = hp.get("attn_implementation", "sdpa")
     attention.check(impl, model_dir)
+    logprobs.check_backend()
     return {"attn_implementation": impl}
 
 

@@ -11,14 +11,28 @@ recomputes each chunk's logits once and writes the gradients of h, the weight an
 (d log p_y / dz = onehot(y) - p; d H / dz = p * (E_p[z] - z); then through the temperature, soft-cap and
 scale). That is the least work a per-token output allows: the upstream gradient of every token is unknown in
 the forward, so the weight's gradient (a sum over tokens weighted by it) cannot be formed there as Liger's
-fused linear cross-entropy does for a reduced loss. The "chunked" backend (torch's checkpoint around each
-chunk: recompute under autograd, then autograd's own backward through every elementwise op) serves heads the
-fused function cannot take: a ZeRO-3-partitioned weight (gathered only by the head module's own hooks) or a
-head that is not a plain nn.Linear (e.g. LoRA on the LM head). On CUDA, Apple's cut-cross-entropy ("cce") and
-Liger-Kernel's fused linear cross-entropy ("liger", >= 0.8.5: earlier releases give wrong weight gradients
-with reduction="none", linkedin/Liger-Kernel#1298) can be chosen with RLHF_FLOWS_LOGPROBS=cce|liger; both give
-log-probs only (entropy falls back to "fused") and need a head without bias. They are not the default because
-they were not measured on a GPU in this repository yet (`benchmarks/parts/logprobs.py --device cuda` measures them).
+fused linear cross-entropy does for a reduced loss. The log-probs and the entropy come out of the same pass over
+each chunk's logits, so the learner's training forward (which always asks for the entropy: as a metric, or in
+the loss with entropy_loss_coef) costs no more than the log-probs alone. The weight's (and bias's) gradient is
+summed over the chunks in fp32 (a bf16 sum lost half the precision of plain bf16 autograd: relative error 0.0054
+against 0.0029, at N 16384, H 64, V 512), one bf16 product per chunk accumulated in fp32 on CUDA (cuBLAS's
+out_dtype), fp32 operands elsewhere; transient, V x H x 4 bytes (2.2 GB at Qwen2-7B's head).
+
+A ZeRO-3-partitioned head (its weight an empty placeholder outside the head module's own call) runs the same
+function inside that call (through_top on the head): DeepSpeed's hooks gather the weight for the forward,
+gather it again before the backward of the outputs and take the gradient to its partitions. The "chunked"
+backend (torch's checkpoint around each chunk: recompute under autograd, then autograd's own backward through
+every elementwise op) serves heads that are not a plain nn.Linear (e.g. LoRA on the LM head).
+
+On CUDA, Liger-Kernel's fused linear cross-entropy ("liger", >= 0.8.2: earlier releases give wrong weight
+gradients with reduction="none", linkedin/Liger-Kernel#1298; checked when a role starts and at the first
+forward) can give the log-probs: RLHF_FLOWS_LOGPROBS=liger, for a head without bias, its weight gradient
+accumulated in fp32 (accum_dtype). Its kernel returns no entropy: the entropy comes from the fused pass beside it
+(no gradient for the metric: one more pass over the logits in the forward; in the loss: that pass and its
+backward too), so with an entropy it does more work than "fused" and is worth it only where the kit measures it
+faster (`benchmarks/parts/logprobs.py --device cuda`, benchmarks/gpu/gpu_kit_run.py). Apple's cut-cross-entropy
+was an option until issue 44: its one PyPI release (25.1.1) accumulates the weight's gradient in bf16 with no
+fp32 option and returns no entropy either, so it was removed rather than pinned.
 
 The policy is softmax(transform(logits) / T): T is the sampling temperature (OpenRLHF divides the logits by
 it too), transform the architecture's own logit scaling (Gemma-2's final soft-capping, Cohere's logit_scale,
@@ -28,26 +42,28 @@ Columns follow rlhf_core.rl.losses.token_logprobs: column t of # (B, L - 1) is t
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 CHUNK = 1024  # positions per LM-head chunk: (1024, 152k) fp32 logits = 0.6 GB at Qwen2's vocabulary
-BACKENDS = ("fused", "chunked", "cce", "liger")
+BACKENDS = ("fused", "chunked", "liger")
+LIGER_MIN = "0.8.2"  # the first release whose reduction="none" weight gradients are right (Liger-Kernel#1298)
 
 
-def through_top(model, fn):
-    """fn() run as the forward of `model` (an HF model, PEFT-wrapped or not), so the hooks on the top module run:
+def through_top(model, fn, *args):
+    """fn(*args) run as the forward of `model` (an HF model, PEFT-wrapped or not), so the hooks on the top module run:
     DeepSpeed ZeRO-3 resets its parameter coordinator's step in the top module's forward pre-hook, and only a
     trace recorded between two such resets is replayed to prefetch each layer's gather ahead of its use. A
     forward that calls the backbone and the head apart never resets it: the trace stays INVALID and every
     gather waits on the critical path (issue 35 item 6). The instance's own `forward` (accelerate's hooks set
-    one) is put back afterwards."""
+    one) is put back afterwards. `args` go through the call (the module's hooks may wrap them: fn takes them)."""
     own = model.__dict__.get("forward")
     model.forward = fn  # an instance attribute: nn.Module.__call__ finds it before the class's forward
     try:
-        return model()
+        return model(*args)
     finally:
         if own is None:
             del model.forward
@@ -96,16 +112,33 @@ def _fused_forward(h, weight, bias, targets, scale, cap, T, with_entropy: bool, 
     return cat(lp), cat(lse), cat(ent) if with_entropy else None
 
 
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc in fp32 (or fp64) and a, b in the head's dtype, without rounding the product to that dtype:
+    on CUDA one bf16 / fp16 product accumulated in fp32 (addmm's out_dtype, sm80+), elsewhere in acc's dtype
+    (the same sums: a product of two bf16 values is exact in fp32)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _OUT_DTYPE and torch.cuda.get_device_capability(a.device)[0] >= 8:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)  # addmm(out_dtype=)
+
+
 class FusedHeadLogprobs(torch.autograd.Function):
     """(log p(targets), entropy) # (N,) each of softmax(transform(h W^T + b) / T) for h # (N, H): chunked, no
     logits kept; the backward recomputes each chunk's logits once (see the module docstring). `entropy`:
-    None (an empty tensor is returned), "metric" (returned without a gradient) or "loss"."""
+    None (an empty tensor is returned), "metric" (returned without a gradient) or "loss". An output nobody
+    differentiates costs nothing in the backward (its part of the logits' gradient is skipped)."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, scale, cap, T, entropy, chunk):
         lp, lse, ent = _fused_forward(h, weight, bias, targets, scale, cap, T, entropy is not None, chunk)
         ctx.save_for_backward(h, weight, bias, targets, lse, ent if ent is not None else lse.new_zeros(0))
         ctx.consts = (scale, cap, T, entropy == "loss", chunk)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
         if ent is None:
             ent = lp.new_zeros(0)
         if entropy != "loss":
@@ -118,9 +151,12 @@ class FusedHeadLogprobs(torch.autograd.Function):
         scale, cap, T, ent_grad, chunk = ctx.consts
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g_ent = g_ent if ent_grad else None
+        if g_lp is None and g_ent is None:
+            return (None,) * 9
+        acc = torch.promote_types(weight.dtype, torch.float32)  # the weight's and bias's sums over chunks: fp32
         dh = torch.empty_like(h) if need_h else None
-        dw = torch.zeros_like(weight) if need_w else None  # accumulated in the weight's dtype, as Liger does
-        db = torch.zeros_like(bias) if need_b else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         for s in range(0, h.shape[0], chunk):
             sl = slice(s, s + chunk)
             z = _logits(h[sl], weight, bias, scale, cap, T)  # (n, V) fp32, tempered
@@ -128,7 +164,7 @@ class FusedHeadLogprobs(torch.autograd.Function):
             if g_ent is not None:  # dH/dz = p * (E_p[z] - z), E_p[z] = lse - H
                 ge = (lse[sl] - ent[sl])[:, None].sub(z).mul_(g).mul_(g_ent[sl, None])
             if g_lp is not None:  # d log p_y / dz = onehot(y) - p
-                g.mul_(-g_lp[sl, None]).scatter_add_(1, targets[sl, None], g_lp[sl, None].float())
+                g.mul_(-g_lp[sl, None]).scatter_add_(1, targets[sl, None], g_lp[sl, None].to(g.dtype))
             else:
                 g.zero_()
             if g_ent is not None:
@@ -142,10 +178,11 @@ class FusedHeadLogprobs(torch.autograd.Function):
             if need_h:
                 dh[sl] = gd @ weight
             if need_w:
-                dw.addmm_(gd.t(), h[sl])
+                _add_product(dw, gd.t(), h[sl])
             if need_b:
-                db.add_(g.sum(0).to(db.dtype))
-        return dh, dw, db, None, None, None, None, None, None
+                db.add_(g.sum(0))
+        return (dh, dw.to(weight.dtype) if need_w else None, db.to(bias.dtype) if need_b else None,
+                None, None, None, None, None, None)
 
 
 def _chunked(head, config, h, targets, temperature: float, entropy: str | None, chunk: int):
@@ -159,11 +196,10 @@ def _chunked(head, config, h, targets, temperature: float, entropy: str | None, 
     lps, ents = [], []
     for s in range(0, h.shape[0], chunk):
         hc, tc = h[s:s + chunk], targets[s:s + chunk]
-        if grad:
-            lp, _, ent = checkpoint(one, hc, tc, entropy == "loss", use_reentrant=False)
+        if grad:  # the entropy in the same pass (a metric: detached, recomputed with the rest in the backward)
+            lp, _, ent = checkpoint(one, hc, tc, entropy is not None, use_reentrant=False)
             if entropy == "metric":
-                with torch.no_grad():
-                    ent = one(hc, tc, True)[2]
+                ent = ent.detach()
         else:
             lp, _, ent = one(hc, tc, entropy is not None)
         lps.append(lp)
@@ -181,31 +217,58 @@ def _logits_of(head, h, scale, cap, T):
     return z / T if T != 1.0 else z
 
 
-def _kernel_logprobs(name: str, head, h, targets, scale, cap, T):
-    """log p(targets) # (N,) by cut-cross-entropy or Liger on CUDA. Both compute cross-entropy of
-    softcap' * tanh((h' W^T) / softcap'), so the temperature goes into h' = h * scale / T and softcap' = cap / T:
-    (cap / T) tanh((scale h W^T / T) / (cap / T)) = cap tanh(scale h W^T / cap) / T."""
-    hs = h * (scale / T) if scale / T != 1.0 else h
-    softcap = cap / T if cap is not None else None
-    if name == "cce":
-        from cut_cross_entropy import linear_cross_entropy
-
-        return -linear_cross_entropy(hs, head.weight, targets, softcap=softcap, reduction="none").float()
+def _liger_logprobs(weight, h, targets, scale, cap, T):
+    """log p(targets) # (N,) by Liger's fused linear cross-entropy on CUDA (reduction "none", the weight's gradient
+    summed in fp32). It computes cross-entropy of softcap' * tanh((h' W^T) / softcap'), so the temperature goes
+    into h' = h * scale / T and softcap' = cap / T: (cap / T) tanh((scale h W^T / T) / (cap / T)) =
+    cap tanh(scale h W^T / cap) / T."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    return -LigerFusedLinearCrossEntropyLoss(reduction="none", softcap=softcap)(head.weight, hs, targets).float()
+    hs = h * (scale / T) if scale / T != 1.0 else h
+    softcap = cap / T if cap is not None else None
+    ce = LigerFusedLinearCrossEntropyLoss(reduction="none", softcap=softcap, accum_dtype=torch.float32)
+    return -ce(weight, hs, targets).float()
 
 
-def backend(head, h: torch.Tensor, entropy: str | None = None) -> str:
-    """The backend the head's log-probs use (module docstring): RLHF_FLOWS_LOGPROBS if it can serve this head,
-    else "fused", else "chunked"."""
+def check_backend() -> str:
+    """RLHF_FLOWS_LOGPROBS's backend, refused by name when unknown, and for "liger" when liger-kernel is missing or
+    older than LIGER_MIN (its per-token weight gradients were wrong): the roles call it as they load their model
+    (ppo.forward.model_kwargs), so a bad setting stops a run before any work."""
     want = os.environ.get("RLHF_FLOWS_LOGPROBS", "fused")
     if want not in BACKENDS:
-        raise ValueError(f"RLHF_FLOWS_LOGPROBS={want!r} is not one of {', '.join(BACKENDS)}")
-    plain = type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id")  # ds_id: ZeRO-3 partitioned
-    if not plain:
+        raise ValueError(f"RLHF_FLOWS_LOGPROBS={want!r} is not one of {', '.join(BACKENDS)}"
+                         + (" (cut-cross-entropy was removed in issue 44: use liger or fused)" if want == "cce" else ""))
+    if want == "liger":
+        from importlib import metadata
+
+        from packaging.version import Version
+
+        fix = f"pip install 'liger-kernel>={LIGER_MIN}' (the gpu extra), or RLHF_FLOWS_LOGPROBS=fused"
+        try:
+            have = metadata.version("liger-kernel")
+        except metadata.PackageNotFoundError:
+            raise RuntimeError(f"RLHF_FLOWS_LOGPROBS=liger needs liger-kernel >= {LIGER_MIN}, and it is not installed "
+                               f"on this host: {fix}") from None
+        if Version(have) < Version(LIGER_MIN):
+            raise RuntimeError(f"RLHF_FLOWS_LOGPROBS=liger needs liger-kernel >= {LIGER_MIN}; this host has {have}, "
+                               "whose per-token (reduction='none') weight gradients are wrong (linkedin/Liger-Kernel"
+                               f"#1298): {fix}")
+    return want
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(want: str) -> str:
+    return check_backend()
+
+
+def backend(head, h: torch.Tensor) -> str:
+    """The backend the head's log-probs use (module docstring): RLHF_FLOWS_LOGPROBS (check_backend, once per value)
+    where it can serve this head; "chunked" for a head that is not a plain nn.Linear; "fused" for liger off CUDA
+    or with a bias. A ZeRO-3-partitioned Linear takes the fused paths too (inside the head's call)."""
+    want = _checked(os.environ.get("RLHF_FLOWS_LOGPROBS", "fused"))
+    if type(head) is not torch.nn.Linear:
         return "chunked"
-    if want in ("cce", "liger") and (h.device.type != "cuda" or entropy is not None or head.bias is not None):
+    if want == "liger" and (h.device.type != "cuda" or head.bias is not None):
         return "fused"
     return want
 
@@ -213,17 +276,30 @@ def backend(head, h: torch.Tensor, entropy: str | None = None) -> str:
 def head_logprobs(head, config, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                   entropy: str | None = None, chunk: int = CHUNK):
     """(log p(targets), entropy or None) # (N,) each, fp32, of the tempered policy at hidden states h # (N, H)."""
-    name = backend(head, h, entropy)
+    name = backend(head, h)
     if name == "chunked":
         return _chunked(head, config, h, targets, temperature, entropy, chunk)
     scale, cap = transform(config)
-    if name in ("cce", "liger"):
-        return _kernel_logprobs(name, head, h, targets, scale, cap, temperature), None
-    if not torch.is_grad_enabled():
-        lp, _, ent = _fused_forward(h, head.weight, head.bias, targets, scale, cap, temperature, entropy is not None, chunk)
-        return lp, ent
-    lp, ent = FusedHeadLogprobs.apply(h, head.weight, head.bias, targets, scale, cap, temperature, entropy, chunk)
-    return lp, ent if entropy else None
+
+    def run(x):  # inside the head's own call where ZeRO-3 partitions its weight: its hooks gather it
+        w, b = head.weight, head.bias
+        if name == "liger":
+            lp = _liger_logprobs(w, x, targets, scale, cap, temperature)
+            if entropy == "loss":  # the fused pass's entropy (its log-probs unused: no gradient work for them)
+                return lp, FusedHeadLogprobs.apply(x, w, b, targets, scale, cap, temperature, "loss", chunk)[1]
+            if entropy == "metric":
+                with torch.no_grad():
+                    return lp, _fused_forward(x, w, b, targets, scale, cap, temperature, True, chunk)[2]
+            return lp, None
+        if not torch.is_grad_enabled():
+            lp, _, ent = _fused_forward(x, w, b, targets, scale, cap, temperature, entropy is not None, chunk)
+            return lp, ent
+        lp, ent = FusedHeadLogprobs.apply(x, w, b, targets, scale, cap, temperature, entropy, chunk)
+        return lp, ent if entropy else None
+
+    if hasattr(head.weight, "ds_id"):  # ds_id: a ZeRO-3-partitioned parameter
+        return through_top(head, run, h)
+    return run(h)
 
 
 def selected_logprobs(model, inputs: dict, index: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

@@ -147,30 +147,26 @@ def test_fused_head_equals_autograd_of_the_plain_computation(entropy):
 
 
 def test_the_backend_is_chosen_by_the_head_and_refused_by_name(monkeypatch):
-    """ZeRO-3-partitioned weights and heads that are not a plain Linear go through the module (chunked); the CUDA
-    kernels are never picked on CPU; an unknown name is refused naming the variable."""
+    """Heads that are not a plain Linear go through the module (chunked); a ZeRO-3-partitioned Linear takes the fused
+    function (inside the head's call: tests/rlhf_core/rl/test_fused_training.py); an unknown name is refused naming
+    the variable."""
     lin = torch.nn.Linear(4, 9, bias=False)
     h = torch.zeros(2, 4)
     assert logprobs.backend(lin, h) == "fused"
-    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", "cce")
-    assert logprobs.backend(lin, h) == "fused"  # CPU: no kernel
-    monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", "fused")
     lin.weight.ds_id = 3  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
-    assert logprobs.backend(lin, h) == "chunked"
+    assert logprobs.backend(lin, h) == "fused"
     assert logprobs.backend(torch.nn.Sequential(torch.nn.Linear(4, 9)), h) == "chunked"
     monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", "triton")
-    with pytest.raises(ValueError, match="RLHF_FLOWS_LOGPROBS='triton' is not one of fused, chunked, cce, liger"):
+    with pytest.raises(ValueError, match="RLHF_FLOWS_LOGPROBS='triton' is not one of fused, chunked, liger"):
         logprobs.backend(torch.nn.Linear(4, 9), h)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["fused", "chunked", "cce", "liger"])
+@pytest.mark.parametrize("backend", ["fused", "chunked", "liger"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_backend_on_cuda_equals_the_plain_computation(backend, dtype, monkeypatch):
-    """On CUDA: each backend (cce / liger where installed) against autograd through the plain logits, a Gemma-2
+    """On CUDA: each backend (liger where installed) against autograd through the plain logits, a Gemma-2
     model (soft-capping) at T 0.7: log-probs and the gradients of every parameter, fp32 and bf16."""
-    if backend == "cce":
-        pytest.importorskip("cut_cross_entropy")
     if backend == "liger":
         pytest.importorskip("liger_kernel")
     monkeypatch.setenv("RLHF_FLOWS_LOGPROBS", backend)
