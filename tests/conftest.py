@@ -1,20 +1,32 @@
-"""Shared fixtures: a real S3 endpoint (moto_server on 127.0.0.1), tiny offline models, Prefect's harness.
+"""Shared fixtures: a real S3 endpoint (moto_server on 127.0.0.1), tiny offline models, Prefect's harness, one
+local Ray per test file that runs several Ray stages, and what a pytest run builds once for all its workers.
 
 Servers started here listen on 127.0.0.1, are stopped by pid at teardown, and also die with the test
 process (PR_SET_PDEATHSIG), so none outlives a killed pytest.
+
+Built once per pytest run (docs/testing.md): under pytest-xdist the controller starts one moto_server and makes a
+folder for the run (RUN_DIR_ENV); the first worker to ask for a run-wide artifact (`run_once`: the demo run, the
+trained PRM) builds it under a file lock there while the others wait, and every worker reads the same S3 objects and
+JSON record. Tests only read what they share, but for the two that rerun the demo run: they go last in the group of
+the tests of its own stages, and the tests elsewhere read only its inputs, SFT policy, reward model and record.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -29,6 +41,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # each xdist worker its own model cache (stages share it by fingerprint)
     os.environ["RLHF_FLOWS_CACHE"] = os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                   f"rlhf-flows-cache-{os.getpid()}-{os.environ['PYTEST_XDIST_WORKER']}")
+    # The workers share the cores: each worker's processes (its stages, their jobs and actors) get its share of the
+    # OpenMP threads. torch's default (a thread per core) in two workers at once spins two threads per core at every
+    # op's barrier, for tiny models the larger part of an op (ENV-NOTES: OMP_NUM_THREADS=1 for 2 ranks on 2 cores).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def free_port() -> int:
@@ -65,26 +82,87 @@ def stop(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait(10)
 
 
+# ------------------------------------------------------------------------------------------ once per pytest run
+RUN_DIR_ENV = "RLHF_TEST_RUN_DIR"  # the controller's folder for what its workers share
+RUN_MOTO_ENV = "RLHF_TEST_RUN_MOTO"  # "port pid" of the controller's moto_server
+
+
+def start_moto() -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    wait_for_port(port, proc, "moto_server")
+    return proc, port
+
+
+def pytest_configure(config):
+    """The xdist controller (not a worker, not a run without workers): a folder and a moto_server for the run, passed
+    to the workers it starts next through the environment."""
+    if hasattr(config, "workerinput") or not (getattr(config.option, "numprocesses", None) or 0) \
+            or RUN_DIR_ENV in os.environ:
+        return
+    config._rlhf_run_dir = tempfile.mkdtemp(prefix="rlhf-tests-")
+    config._rlhf_moto, port = start_moto()
+    os.environ[RUN_DIR_ENV] = config._rlhf_run_dir
+    os.environ[RUN_MOTO_ENV] = f"{port} {config._rlhf_moto.pid}"
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_rlhf_moto", None) is not None:
+        stop(config._rlhf_moto, 10)
+        shutil.rmtree(config._rlhf_run_dir, ignore_errors=True)
+        for k in (RUN_DIR_ENV, RUN_MOTO_ENV):
+            os.environ.pop(k, None)
+
+
+def run_once(name: str, build: Callable[[], dict]) -> dict:
+    """`build()`'s JSON-able result, built once per pytest run: the first worker to ask builds it holding a file lock in
+    the run's folder and records it; the others wait on the lock and read the record. Without xdist (or when the
+    builder failed) this process builds it."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return build()
+    record = Path(run_dir) / f"{name}.json"
+    with open(Path(run_dir) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if build() raises
+        if record.exists():
+            return json.loads(record.read_text())
+        out = build()
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.rename(record)
+        return out
+
+
 @pytest.fixture(scope="session")
 def moto_s3():
-    """A real S3 HTTP endpoint with bucket `rlhf-test`; the AWS variables point at it for the session."""
-    port = free_port()
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    """A real S3 HTTP endpoint with bucket `rlhf-test` (one per pytest run under xdist: the controller's); the AWS
+    variables point at it for the session."""
+    shared = os.environ.get(RUN_MOTO_ENV)
+    proc = None
+    if shared:
+        port, pid = map(int, shared.split())
+    else:
+        proc, port = start_moto()
+        pid = proc.pid
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}
     try:
-        wait_for_port(port, proc, "moto_server")
         endpoint = f"http://127.0.0.1:{port}"
         os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing-key-id",
                           AWS_SECRET_ACCESS_KEY="testing-secret-key", AWS_DEFAULT_REGION="us-east-1")
         import s3fs
 
-        s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}).mkdir("rlhf-test")
-        yield SimpleNamespace(endpoint=endpoint, bucket="rlhf-test", port=port, pid=proc.pid)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint})
+        try:
+            fs.mkdir("rlhf-test")
+        except Exception:
+            if not fs.exists("rlhf-test"):  # else another worker made it first
+                raise
+        yield SimpleNamespace(endpoint=endpoint, bucket="rlhf-test", port=port, pid=pid)
     finally:
-        stop(proc, 10)
+        if proc is not None:
+            stop(proc, 10)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -112,6 +190,37 @@ def tiny(tmp_path_factory):
     store.commit_model_dir(reward, reward_uri, "tiny-model", {"kind": "reward", "seed": 1})
     return SimpleNamespace(root=root, policy_dir=policy, reward_dir=reward, tokenizer_dir=root / "local" / "tokenizer",
                            policy_uri=policy_uri, reward_uri=reward_uri)
+
+
+@pytest.fixture(scope="session")
+def prm(tmp_path_factory):
+    """A process reward model, trained once per pytest run (run_once) and read by tests/stages/test_train_prm.py and
+    the RAFT loop with a PRM: the demo's tiny tokenizer with the step placeholder and reward tokens added, a random
+    tiny causal LM (`base`), and train_prm's 48 steps on 384 step-labelled demo rows (`dir` = `uri`, `manifest`)."""
+    def build() -> dict:
+        import dataclasses
+
+        from rlhf_core.demo import demo_task, tiny as tiny_mod
+        from stages import train_prm
+
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        root = Path(run_dir) / "prm" if run_dir else tmp_path_factory.mktemp("prm")
+        root.mkdir(parents=True, exist_ok=True)
+        tok = tiny_mod.build_tokenizer(root / "tok", demo_task.corpus(0),
+                                       added_tokens=(demo_task.PLACEHOLDER, *demo_task.REWARD_TOKENS))
+        base = tiny_mod.build_model(root / "base", tok, "policy", seed=0)
+        rows = root / "steps.jsonl"
+        rows.write_text("\n".join(json.dumps(r) for r in demo_task.step_rows(384, seed=0)))
+        m = train_prm.run(train_prm.Config(base_uri=str(base), dataset_uri=str(rows), output_uri=str(root / "prm"),
+                                           max_len=64, learning_rate=3e-3, train_batch_size=16, micro_train_batch_size=16,
+                                           max_epochs=2, lr_warmup_ratio=0.0, zero_stage=0, log_steps=16))
+        return {"base": str(base), "dir": str(root / "prm"), "manifest": dataclasses.asdict(m)}
+
+    from rlhf_core import store
+
+    built = run_once("prm", build)
+    return SimpleNamespace(base=Path(built["base"]), dir=Path(built["dir"]), uri=built["dir"],
+                           manifest=store.Manifest(**built["manifest"]))
 
 
 @pytest.fixture(scope="session")
@@ -157,20 +266,126 @@ def prefect_server(tmp_path_factory):
         stop(proc, 30)
 
 
-LOOPS_GROUP = {"test_loops.py", "test_pools.py", "test_watch.py"}
+# ------------------------------------------------------------------------------------------ one Ray per test file
+class SharedRay:
+    """One local Ray for the tests of a file marked `shared_ray` (a test or the file's pytestmark): a stage that finds Ray
+    initialized joins it and leaves it up, so the file starts Ray once (ray.init takes 5-15 s on these 2 cores) instead
+    of once per stage. Other tests find none up unless a `shared_ray` test of their file started it; their stages start
+    and stop their own, as a user's do. What a test's stages started must be gone when it ends: actors (the CPUs they
+    hold) and placement groups left behind shut this Ray down, so the next test starts a clean one, and fail the test
+    naming them."""
+
+    def up(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            from rlhf_core.rollout.generation import _ray_up
+
+            _ray_up(None, object_store_bytes=400 * 1024 ** 2)  # the stages' own local Ray, with room for weight syncs
+
+    def down(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def leftovers(self, wait_s: float = 20) -> list[str]:
+        """What the last test left in this Ray (an actor's CPUs are handed back a moment after it was killed)."""
+        import ray
+
+        if not ray.is_initialized():
+            return []
+        deadline = time.time() + wait_s
+        while True:
+            total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
+            groups = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+            if (free >= total and not groups) or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        left = [f"{total - free:g} of {total:g} CPUs held"] if free < total else []
+        return left + [f"placement group {pg['placement_group_id']} ({pg['state']})" for pg in groups]
+
+
+SHARED_RAY = SharedRay()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_per_file():
+    """Each file starts without a Ray in this process; the one its `shared_ray` tests shared is shut down at its end."""
+    SHARED_RAY.down()
+    yield
+    SHARED_RAY.down()
+
+
+@pytest.fixture(autouse=True)
+def _ray_per_test(request):
+    """A `shared_ray` test finds the file's Ray up (started by the first such test) and must leave it as it found it;
+    an `own_ray` test starts with none (it starts or joins its own)."""
+    if request.node.get_closest_marker("own_ray") is not None:
+        SHARED_RAY.down()
+        yield
+        SHARED_RAY.down()
+        return
+    if request.node.get_closest_marker("shared_ray") is None:
+        yield
+        return
+    SHARED_RAY.up()
+    yield
+    if left := SHARED_RAY.leftovers():
+        SHARED_RAY.down()
+        pytest.fail(f"the test left in the file's Ray: {', '.join(left)} (a stage must release what it started)")
+
+
+# ------------------------------------------------------------------------------------------ the two workers' work
+# pytest-xdist (`--dist loadgroup --no-loadscope-reorder`) hands each worker one group at a time, in the order below:
+# the longest first (LPT: the groups that are left are short, so the workers end together). A group is a file (its
+# module fixtures are built once) except in the files of SPLIT, whose tests share only run-wide fixtures: each of their
+# tests is a group of its own. The order comes from pytest's slowest-tests table (--durations, docs/testing.md): a
+# file missing here runs after these, in collection order.
+LONGEST_FIRST = [
+    "flows/test_loops.py::demo",  # the first to ask for the demo run builds it
+    "stages/test_ppo.py", "flows/test_loops.py::test_conditional_sft_learns_to_follow_its_condition_on_s3",
+    "flows/test_deployment.py", "stages/test_model_zoo.py", "flows/test_resume.py", "flows/test_ppo_flow.py",
+    "flows/test_pools.py", "flows/test_configs.py", "flows/test_loops.py::test_raft_with_a_process_reward_model_raises_gold_reward",
+    "flows/test_watch.py", "flows/test_promotion.py", "stages/test_pipeline_generate_score_filter.py",
+    "stages/test_sft.py", "rlhf_core/ppo/test_fake_cluster.py", "stages/test_multinode.py", "stages/test_dpo.py",
+    "rlhf_core/ppo/test_weight_sync.py", "rlhf_core/train/test_scale.py", "stages/test_train_rm.py",
+    "stages/test_ray_jobs.py", "flows/test_loops.py", "test_slurm.py", "stages/test_kto.py", "stages/test_train_prm.py",
+    "stages/test_train_eval.py", "flows/test_cli.py",
+]
+SPLIT = {"test_loops.py"}
+# ... but the tests of the demo run's own stages stay one group, in their file's order: the last two rerun the run.
+DEMO_ITSELF = {"test_iterative_dpo_raises_gold_reward_on_s3", "test_iterative_dpo_publishes_prefect_artifacts",
+               "test_rerun_resumes_without_redoing_anything", "test_changing_beta_reruns_only_dpo_and_what_follows"}
+# The fast tier (`-m "not slow"`, docs/testing.md) leaves out every test that needs the demo run or a `prefect server`,
+# and these runs of whole stages in a file another change owns (30-130 s each in the slowest-tests table).
+SLOW_FIXTURES = {"demo_run", "prefect_server"}
+SLOW_ELSEWHERE = {"flows/test_import_openrlhf.py": {"test_imported_sft_command_runs_scaled_down",
+                                                    "test_imported_dpo_command_runs_scaled_down",
+                                                    "test_imported_ppo_command_runs_scaled_down"}}
+
+
+def _group(item) -> str:
+    rel = item.path.relative_to(Path(__file__).parent).as_posix()
+    if item.path.name not in SPLIT:
+        return rel
+    return f"{rel}::demo" if item.name in DEMO_ITSELF else f"{rel}::{item.name}"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist (`--dist loadgroup`): a test file stays on one worker (its module fixtures are built once).
-    # The files that use the session's demo run (or its prefect server) form two groups of about equal work, each
-    # group's worker training the demo once: the loops with two of the server tests, and the rest.
-    demo_files = {item.path for item in items if {"demo_run", "prefect_server"} & set(getattr(item, "fixturenames", ()))}
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+
+    def order(item) -> int:
+        g = _group(item)
+        return rank.get(g, rank.get(g.split("::")[0], len(rank)))
+
+    items.sort(key=order)  # stable: a file's tests keep their order
     for item in items:
-        group = str(item.path)
-        if item.path in demo_files:
-            group = "demo-loops" if item.path.name in LOOPS_GROUP else "demo-other"
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or \
+                getattr(item, "originalname", item.name) in SLOW_ELSEWHERE.get(_group(item).split("::")[0], ()):
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
 

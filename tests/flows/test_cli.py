@@ -199,16 +199,11 @@ def test_cheap_documented_commands_run_end_to_end(demo_run, capsys):
 
 
 def test_the_ui_names_the_flow_run_after_the_run_and_each_task_run_by_its_place(demo_run):
-    """In Prefect's API (what the UI shows): the flow run is named after run_name; a task run is named by its
-    place in the run (iter-2/dpo, not a third `dpo`) and tagged run:, stage:, iter:."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as c:
-        fr = c.read_flow_run(demo_run.report["flow_run_id"])
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
-    assert fr.name == demo_run.params.run_name == "dpo"
-    by_name = {t.name: set(t.tags) for t in runs}
+    """In Prefect's API (what the UI shows; read right after the demo's flow run by tests/flows/conftest.py): the flow
+    run is named after run_name; a task run is named by its place in the run (iter-2/dpo, not a third `dpo`) and
+    tagged run:, stage:, iter:."""
+    assert demo_run.prefect["flow_run_name"] == demo_run.params.run_name == "dpo"
+    by_name = {t["name"]: set(t["tags"]) for t in demo_run.prefect["task_runs"]}
     assert {"prompts", "sft", "reward_model", "iter-0/eval", "iter-1/generate", "iter-1/dpo", "iter-2/dpo",
             "iter-2/eval"} <= set(by_name), sorted(by_name)
     assert by_name["iter-2/dpo"] >= {"run:dpo", "stage:dpo", "iter:2"} and "iter:2" not in by_name["iter-1/dpo"]

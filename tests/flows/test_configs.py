@@ -76,6 +76,7 @@ def test_every_config_file_has_a_flow_or_a_stage():
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray  # the configs' Ray stages (generate, score, ppo) join the file's one Ray
 @pytest.mark.parametrize("name", sorted(FLOW_OF))
 def test_config_runs_its_flow_scaled_down_on_plain_folders(name, plain_inputs, moto_s3, prefect_harness):
     flow = FLOW_OF[name]

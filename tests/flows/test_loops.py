@@ -11,7 +11,7 @@ from rlhf_core.demo import demo_task
 from rlhf_core import store
 from tests.flows.flowkit import demo_params, manifests
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]  # its loops' generate stages share one Ray
 
 DEMO_CSFT = Path(__file__).resolve().parents[2] / "configs" / "demo_csft.yaml"
 
@@ -47,34 +47,27 @@ def test_iterative_dpo_raises_gold_reward_on_s3(demo_run):
 
 
 def test_iterative_dpo_publishes_prefect_artifacts(demo_run):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-iterations"])))
-        report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-report"])))
-        progress = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-progress"])))
-    assert progress and float(max(progress, key=lambda a: a.created).data) == 100.0
-    mine = [a for a in table if str(a.flow_run_id) == demo_run.report["flow_run_id"]]
-    latest = max(mine, key=lambda a: a.created)  # one version per publish: the last holds every iteration
-    rows = json.loads(latest.data) if isinstance(latest.data, str) else latest.data
+    """The demo's artifacts and log lines as Prefect's API held them right after its flow run (tests/flows/conftest.py
+    reads them there: the API is the building worker's)."""
+    seen = demo_run.prefect["artifacts"]
+    table, report, progress = seen["iterative-dpo-iterations"], seen["iterative-dpo-report"], seen["iterative-dpo-progress"]
+    assert progress and float(max(progress, key=lambda a: a["created"])["data"]) == 100.0
+    mine = [a for a in table if a["flow_run_id"] == demo_run.report["flow_run_id"]]
+    latest = max(mine, key=lambda a: a["created"])  # one version per publish: the last holds every iteration
+    rows = json.loads(latest["data"]) if isinstance(latest["data"], str) else latest["data"]
     assert [r["iteration"] for r in rows] == [0, 1, 2] and all("gold_reward" in r for r in rows)
-    assert f"{demo_run.run}/iter-2/dpo" in max((a for a in report if str(a.flow_run_id) == demo_run.report["flow_run_id"]),
-                                               key=lambda a: a.created).data
+    assert f"{demo_run.run}/iter-2/dpo" in max((a for a in report if a["flow_run_id"] == demo_run.report["flow_run_id"]),
+                                               key=lambda a: a["created"])["data"]
     # What a user watches first; timings last. The plot is inline (the UI cannot open a file:// or s3:// URL).
     assert list(rows[0])[:5] == ["iteration", "gold_reward", "rm_reward", "kl", "response_length"]
     assert all(c.endswith("_s") for c in list(rows[0])[-3:]) and rows[0]["kl"] == 0.0 and rows[2]["kl"] > 0
-    with get_client(sync_client=True) as client:
-        plot = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["iterative-dpo-plot"])))
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[demo_run.report["flow_run_id"]])))
-    md = max(plot, key=lambda a: a.created).data
+    md = max(seen["iterative-dpo-plot"], key=lambda a: a["created"])["data"]
     assert md.startswith("![reward, KL and length per iteration](data:image/png;base64,iVBORw0KGgo")
     import re
 
-    steps = [e.message for e in logs if re.match(r"step \d+/\d+ loss=\S+ .*tokens/s=\d+ eta=", e.message)]
-    assert len(steps) >= 4, [e.message for e in logs][:40]  # sft, train_rm and both dpo jobs log their steps
+    logs = demo_run.prefect["logs"]
+    steps = [m for m in logs if re.match(r"step \d+/\d+ loss=\S+ .*tokens/s=\d+ eta=", m)]
+    assert len(steps) >= 4, logs[:40]  # sft, train_rm and both dpo jobs log their steps
 
 
 def test_rerun_resumes_without_redoing_anything(demo_run):
@@ -88,6 +81,8 @@ def test_rerun_resumes_without_redoing_anything(demo_run):
 
 
 def test_changing_beta_reruns_only_dpo_and_what_follows(demo_run):
+    """It changes the demo run's iteration 1: it runs after the other tests of the demo run's own stages (one group,
+    tests/conftest.py DEMO_ITSELF); the tests elsewhere read the run's inputs, SFT policy and reward model."""
     from flows.iterative_dpo import iterative_dpo
 
     params = demo_run.params.model_copy(update={"iterations": 1, "dpo": demo_run.params.dpo.model_copy(update={"beta": 0.2})})
@@ -121,25 +116,14 @@ def test_raft_raises_gold_reward_on_s3(demo_run, s3_root):
     assert len(prompts) == len(set(prompts)) == 64  # rs keeps exactly one response per prompt
 
 
-def test_raft_with_a_process_reward_model_raises_gold_reward(demo_run, s3_root, tmp_path):
+def test_raft_with_a_process_reward_model_raises_gold_reward(demo_run, prm, s3_root):
     """A process reward model (train_prm on the demo's step-labelled reviews) as the loop's reward_uri. The
     policy's samples hold no step placeholders: score.prm_step_separator=" " makes every word a step, and
     prm_aggregate=mean rates a review by the share of its words the PRM calls good. RAFT's best of 4 by that
     reward raises the held-out gold reward and the PRM's own eval reward; the scored samples carry one step
     reward per word and their mean as the reward, the samples' text unmarked."""
-    import json as json_
-
     from flows.raft import Params, raft
-    from rlhf_core.demo import tiny as tiny_mod
-    from stages import train_prm
 
-    tok = tiny_mod.build_tokenizer(tmp_path / "tok", demo_task.corpus(0), added_tokens=(demo_task.PLACEHOLDER, *demo_task.REWARD_TOKENS))
-    steps = tmp_path / "steps.jsonl"
-    steps.write_text("\n".join(json_.dumps(r) for r in demo_task.step_rows(384, seed=0)))
-    prm = train_prm.run(train_prm.Config(base_uri=str(tiny_mod.build_model(tmp_path / "base", tok, "policy", seed=0)),
-                                         dataset_uri=str(steps), output_uri=str(tmp_path / "prm"), max_len=64,
-                                         learning_rate=3e-3, train_batch_size=16, micro_train_batch_size=16, max_epochs=2,
-                                         lr_warmup_ratio=0.0, zero_stage=0))
     sft_loop = {"learning_rate": 5.0e-4, "max_epochs": 2, "micro_train_batch_size": 16, "train_batch_size": 16, "max_len": 48}
     params = _loop_params(demo_run, s3_root, run_name="raft-prm", iterations=2, sft_loop=sft_loop,
                           score={"prm_step_separator": " ", "prm_aggregate": "mean"})

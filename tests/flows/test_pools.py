@@ -151,13 +151,15 @@ def test_stages_on_two_pools_then_a_dead_training_worker_and_a_resume(demo_run, 
             fr = httpx.get(f"{api}/flow_runs/{fid}").json()
             assert fr["name"] == run_name and fr["parameters"]["params"]["pools"]["dpo"] == train_pool
     finally:
-        for w in workers.values():
+        for w in workers.values():  # all at once: a worker under load can take long to shut down
             try:
                 os.killpg(w.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        deadline = time.time() + 20
+        for w in workers.values():
             try:
-                w.wait(30)
+                w.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 os.killpg(w.pid, signal.SIGKILL)
         for m in markers.values():

@@ -46,6 +46,7 @@ def _card(key: str, flow_run_id: str) -> str:
     return found[0].data
 
 
+@pytest.mark.shared_ray  # four nights, each with a generate stage on Ray: one Ray for them
 def test_a_worse_night_is_not_promoted_and_the_next_night_starts_from_the_promoted_policy(demo_run, s3_root, tmp_path):
     """Night 1 (the demo's reward model) promotes its iteration; night 2 starts from it, trains on a reversed reward,
     loses gold reward and is not promoted: its pointer still names night 1's policy and says why. Night 3 starts

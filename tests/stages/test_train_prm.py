@@ -18,23 +18,24 @@ from stages.common import ConfigError
 TOKENS = (demo_task.PLACEHOLDER, *demo_task.REWARD_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def prm_base(tmp_path_factory):
+@pytest.fixture
+def prm_base(prm):
     """The demo's tiny tokenizer with the placeholder and reward tokens added, and a random tiny causal LM."""
-    root = tmp_path_factory.mktemp("prm")
+    return prm.base
+
+
+@pytest.fixture(scope="module")
+def fresh_base(tmp_path_factory):
+    """prm_base built here (the same tokenizer and seed) for the tests that train nothing: no PRM is trained for them."""
+    root = tmp_path_factory.mktemp("prm-base")
     tok = tiny_mod.build_tokenizer(root / "tok", demo_task.corpus(0), added_tokens=TOKENS)
     return tiny_mod.build_model(root / "base", tok, "policy", seed=0)
 
 
-@pytest.fixture(scope="module")
-def trained(prm_base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("prm-train")
-    rows = root / "steps.jsonl"
-    rows.write_text("\n".join(json.dumps(r) for r in demo_task.step_rows(384, seed=0)))
-    m = train_prm.run(train_prm.Config(base_uri=str(prm_base), dataset_uri=str(rows), output_uri=str(root / "prm"),
-                                       max_len=64, learning_rate=3e-3, train_batch_size=16, micro_train_batch_size=16,
-                                       max_epochs=2, lr_warmup_ratio=0.0, zero_stage=0, log_steps=16))
-    return m, root / "prm"
+@pytest.fixture
+def trained(prm):
+    """train_prm on 384 step-labelled rows (2 epochs) from prm_base: tests/conftest.py's `prm`, trained once per run."""
+    return prm.manifest, prm.dir
 
 
 def held_out_samples(root) -> tuple[str, list[dict]]:
@@ -57,6 +58,7 @@ def step_accuracy(scored: list[dict], rows: list[dict]) -> float:
     return sum(hits) / len(hits)
 
 
+@pytest.mark.slow
 def test_prm_learns_held_out_step_labels_and_scores_per_step(trained, prm_base, tmp_path):
     """48 steps (384 rows x 2 epochs) of the PRM loss; then the score stage, given the PRM as any reward model
     (no flag), rates each held-out step: accuracy > 0.9, where the same scoring of the untrained model (a
@@ -89,6 +91,7 @@ def test_prm_learns_held_out_step_labels_and_scores_per_step(trained, prm_base, 
         assert r.rewards == pytest.approx([fn(s) for s in steps], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_prm_step_separator_scores_a_policys_unmarked_steps(trained, tiny, tmp_path):
     """A policy's samples hold no placeholders: with prm_step_separator="\n" the score stage marks each step
     where the training data marked it, so the held-out responses stripped of their placeholders get the step
@@ -123,6 +126,7 @@ def test_prm_step_separator_scores_a_policys_unmarked_steps(trained, tiny, tmp_p
     assert not store.committed_any(str(tmp_path / "s"))
 
 
+@pytest.mark.slow
 def test_score_refuses_samples_without_steps_and_aggregate_without_prm(trained, tiny, tmp_path):
     _, prm_dir = trained
     uri = str(tmp_path / "plain-samples")
@@ -146,7 +150,7 @@ def test_score_refuses_samples_without_steps_and_aggregate_without_prm(trained, 
     assert not store.committed_any(str(tmp_path / "s"))
 
 
-def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path, capsys):
+def test_bad_prm_data_and_tokens_refused_by_name(fresh_base, tiny, tmp_path, capsys):
     """A row without the placeholder (file, row, key), a label count that differs from the placeholders, a
     label outside the reward tokens; a reward token or a placeholder that is not one token of the tokenizer.
     Nothing is committed."""
@@ -160,7 +164,7 @@ def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path, capsy
                   r"label.jsonl row 0: key 'value' step 0 is 'good': a step label is one of the reward_tokens"),
     }
     out = tmp_path / "out"
-    cfg = dict(base_uri=str(prm_base), output_uri=str(out), train_batch_size=2, micro_train_batch_size=2, max_len=64)
+    cfg = dict(base_uri=str(fresh_base), output_uri=str(out), train_batch_size=2, micro_train_batch_size=2, max_len=64)
     for name, (rows, msg) in cases.items():
         f = tmp_path / f"{name}.jsonl"
         f.write_text("\n".join(json.dumps(r) for r in rows))
@@ -175,7 +179,7 @@ def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path, capsy
         train_prm.run(train_prm.Config(**cfg, dataset_uri=art))
     from flows import cli  # the same refusal from the command line: one error line, exit 2
 
-    assert cli.main(["stage", "train_prm", f"base_uri={prm_base}", f"dataset_uri={tmp_path / 'no_placeholder.jsonl'}",
+    assert cli.main(["stage", "train_prm", f"base_uri={fresh_base}", f"dataset_uri={tmp_path / 'no_placeholder.jsonl'}",
                      f"output_uri={out}", "train_batch_size=2", "micro_train_batch_size=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlhf-flows: error: ") and "no_placeholder.jsonl row 1: key 'input' has no placeholder" in err
@@ -188,6 +192,7 @@ def test_bad_prm_data_and_tokens_refused_by_name(prm_base, tiny, tmp_path, capsy
     assert not store.committed_any(str(out))
 
 
+@pytest.mark.slow
 def test_flow_config_with_a_prm_reward_validates(trained):
     """A loop whose reward_uri is a PRM takes score.prm_aggregate; the setting without a reward model is refused."""
     from flows import common, iterative_dpo
@@ -203,6 +208,7 @@ def test_flow_config_with_a_prm_reward_validates(trained):
         common.validate(p, "iterative_dpo", iterative_dpo.checks(p))
 
 
+@pytest.mark.slow
 def test_eval_scores_with_a_prm_as_score_does(trained, prm_base, tiny, tmp_path):
     """eval with the PRM as reward model (prompts templated to end in one step, so every text has a
     placeholder): each sample's rm_reward is the `last` aggregate of its step rewards, as compute_rewards gives
