@@ -45,6 +45,7 @@ def test_prompt_slice_past_the_end_stops_before_training(prefect_harness, tmp_pa
     assert not (tmp_path / "slice" / "sft").exists() and not (tmp_path / "slice" / "_LOCK.json").exists()
 
 
+@pytest.mark.slow
 def test_stage_failure_names_stage_and_uri_and_rerun_resumes(prefect_harness, tiny, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"#{i} Review of the tea:"}) + "\n" for i in range(4)))

@@ -27,6 +27,7 @@ def _racer(root, barrier, results, env):
         barrier.wait(60)  # released before the next round
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_two_processes_released_together_exactly_one_wins_each_round(where, tmp_path, request):
     root = str(tmp_path) if where == "local" else request.getfixturevalue("s3_root")

@@ -53,6 +53,7 @@ def _scored_input(root, n):
     return w.commit().uri
 
 
+@pytest.mark.slow
 def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_lines(prefect_harness, tiny, tmp_path, capfd):
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -111,6 +112,7 @@ def test_flow_progress_artifact_moves_inside_a_stage_and_the_run_log_holds_the_l
     assert float(next(a for a in cards if a.key.endswith("-progress")).data) == 100.0
 
 
+@pytest.mark.slow
 def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_tokens_per_s_and_eta(tiny, tmp_path, capsys):
     from flows import cli
     from rlhf_core.demo import demo_task
@@ -138,6 +140,7 @@ def test_stage_on_the_cli_shows_reference_rows_and_training_steps_with_loss_toke
     assert any(f["path"].startswith("tensorboard/") for f in manifest.files)
 
 
+@pytest.mark.slow
 def test_flow_report_tracking_writes_iterations_to_tensorboard_and_wandb(tmp_path):
     from flows.report import Report
 

@@ -42,6 +42,7 @@ def test_reference_pass_adds_logps_and_is_computed_once(tiny, ref_pairs):
     assert again.created_at == ref_pairs.created_at
 
 
+@pytest.mark.slow
 def test_dpo_two_processes_raises_margin_and_trains_all_params(tiny, ref_pairs, tmp_path):
     out = tmp_path / "dpo"
     cfg = dpo.Config(policy_uri=tiny.policy_uri, dataset_uri=ref_pairs.uri, output_uri=str(out), max_len=64,
@@ -64,6 +65,7 @@ def test_reference_pass_inline_matches_the_job(tiny, ref_pairs, tmp_path):
         assert [r[k] for r in here] == pytest.approx([r[k] for r in job], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_implied_margin_is_zero_at_step_zero(tiny, ref_pairs, tmp_path):
     """The reference pass ran as a DeepSpeed job with the training forward, in dpo's dtype (fp32 here): before
     the first update policy == reference, so every implied margin beta * ((pi_c - ref_c) - (pi_r - ref_r)) is 0.

@@ -100,6 +100,7 @@ def test_unknown_backend_is_a_config_error(tiny):
                                                 "backend=tgi"])
 
 
+@pytest.mark.slow
 def test_condition_template_samples_under_the_condition_and_keeps_the_plain_prompt(tiny, prompt_file, s3_root):
     """SteerLM's bootstrapping (conditional-sft's `bootstrap`): greedy samples under condition_template equal
     those of prompts that carry the condition, while the samples record the plain prompt; a prompt too long

@@ -32,6 +32,7 @@ def _files_text(*roots: Path) -> str:
                    if p.is_file() and not p.is_symlink() and p.stat().st_size < 10_000_000)
 
 
+@pytest.mark.slow
 def test_sft_stage_runs_an_openrlhf_command_s_hub_ids_end_to_end(hf, tmp_path):
     """`--pretrain tiny-org/gated-policy --dataset tiny-org/sft-data --input_key question --output_key response
     --eval_dataset tiny-org/sft-data --eval_split test`, as the CLI runs it: trained, its lineage naming both

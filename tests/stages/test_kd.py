@@ -61,6 +61,7 @@ def teacher(tiny, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_kd_lowers_the_kl_to_the_teacher_on_held_out_text(tiny, teacher, tmp_path):
     """kd_coef 1 (pure distillation, so the drop is the teacher's doing; the mix is tested in
     tests/rlhf_core/train/test_methods.py), 8 steps over 64 rows, teacher_offload on: the held-out KL(teacher || student)

@@ -23,6 +23,7 @@ def pairs_data(root, n, seed=0):
     return uri
 
 
+@pytest.mark.slow
 def test_kto_raises_the_implied_reward_gap(tiny, tmp_path):
     """32 gold-labelled pairs -> 64 KTO rows (32 desirable, 32 undesirable). At step 1 policy == reference:
     every implied reward and the KL estimate are 0. After 8 steps the desirable completions' mean implied

@@ -78,6 +78,7 @@ def test_lora_combine_refuses_a_model_without_adapter_and_a_wrong_is_rm(tiny, ad
     assert not (root / "none").exists() and not (root / "wrong" / store.MANIFEST).exists()
 
 
+@pytest.mark.slow
 def test_reward_model_adapter_merges_with_its_reward_stats(tiny, tmp_path):
     from rlhf_core.rollout.rewards import RewardSpec, compute_rewards
 

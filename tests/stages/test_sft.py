@@ -38,6 +38,7 @@ def weights(d):
     return load_file(os.path.join(str(d), "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_sft_trains_every_parameter_rerun_is_free_and_a_reverted_config_restores(tiny, tmp_path, monkeypatch):
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=sft_data(tmp_path), output_uri=str(tmp_path / "sft"), **FAST)
     m = sft.run(cfg)
@@ -96,6 +97,7 @@ def test_packed_loss_equals_unpacked(tiny):
     assert loss[0].item() == pytest.approx(loss[1].item(), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_sft_lora_packed_saves_adapter_and_merged_model(tiny, tmp_path):
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=sft_data(tmp_path, 16), output_uri=str(tmp_path / "lora"),
                      lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], packing_samples=True,
@@ -109,6 +111,7 @@ def test_sft_lora_packed_saves_adapter_and_merged_model(tiny, tmp_path):
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)  # merged LoRA deltas only
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path, monkeypatch):
     """Kill the training child (launcher + rank) after its first checkpoint; the rerun resumes from it and
     ends at the same step count having seen every sample exactly once per epoch, with the same weights
@@ -222,6 +225,7 @@ def test_overlong_truncated_and_counted(tiny):
     assert cut == 4 and all(len(r["ids"]) == 8 and r["start"] < 8 for r in recs)
 
 
+@pytest.mark.slow
 def test_foreign_checkpoint_is_refused_and_a_corrupt_one_passed_over(tiny, tmp_path, caplog):
     """Another job's checkpoint is a configuration mistake: refused by name, nothing committed. Our own with
     bytes that do not match their sha256 is logged and passed over (none left: training from scratch), and
@@ -245,6 +249,7 @@ def test_foreign_checkpoint_is_refused_and_a_corrupt_one_passed_over(tiny, tmp_p
     assert "does not match its sha256" in caplog.text and "training from scratch" in caplog.text
 
 
+@pytest.mark.slow
 def test_zero3_gathers_full_weights_for_the_save(tiny, tmp_path):
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=sft_data(tmp_path, n=16), output_uri=str(tmp_path / "z3"),
                      zero_stage=3, **FAST)

@@ -43,6 +43,7 @@ def turn_nll(model_dir, recs) -> torch.Tensor:
     return torch.tensor(out)
 
 
+@pytest.mark.slow
 def test_multiturn_sft_lowers_every_turn_and_single_turn_only_the_last(tiny, tmp_path):
     """32 three-turn conversations, 8 steps each way. multiturn=true: every turn's mean NLL falls by more
     than 20% (measured: 27-31%). multiturn=false (the last assistant message is the response): the last

@@ -78,6 +78,7 @@ def test_first_step_of_a_warm_up():
     assert no_waste[-1] == pytest.approx(0.1) and no_waste[1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 7)))
 
 
+@pytest.mark.slow
 def test_dpo_evaluates_on_eval_data_every_eval_steps_with_dropout_off(tiny, setup, tmp_path, caplog):
     """eval_dataset = a copy of the training data: its figures at the last step are the trained model's,
     recomputed here from its log-probs (the reference pass run with it); the final_* figures are the training
@@ -149,6 +150,7 @@ def test_disable_dropout_in_process(tiny):
     assert lora.p == 0.2
 
 
+@pytest.mark.slow
 def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, s3_root, tmp_path, monkeypatch):
     """eval_holdout 0.2 of 40 rows: 8 rows never trained on, evaluated at each epoch's end (eval_steps unset,
     OpenRLHF's -1). The job is killed after its step-4 checkpoint (after epoch 1's eval); the rerun resumes and

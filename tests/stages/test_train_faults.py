@@ -66,6 +66,7 @@ class Cut:
                     pass
 
 
+@pytest.mark.slow
 def test_endpoint_down_mid_model_upload_then_rerun_commits_without_retraining(tiny, moto_s3, tmp_path, monkeypatch,
                                                                             caplog):
     monkeypatch.setenv("RLHF_FLOWS_CACHE", str(tmp_path / "cache"))

@@ -24,6 +24,7 @@ def pairs_data(root, n, seed=0):
     return uri
 
 
+@pytest.mark.slow
 def test_train_rm_reaches_gold_accuracy(tiny, tmp_path):
     out = tmp_path / "rm"
     cfg = train_rm.Config(base_uri=tiny.reward_uri, dataset_uri=pairs_data(tmp_path, 512), output_uri=str(out),

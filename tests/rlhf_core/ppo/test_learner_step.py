@@ -35,6 +35,7 @@ def others(report: dict) -> dict:
             if not k.startswith(("rlhf_core", "transformers/masking_utils.py:_ignore_causal_mask_sdpa"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 @pytest.mark.parametrize("layout", [{}, {"shared_prompt": True}, {"packing_samples": True}])
 def test_a_step_reads_the_device_once_whatever_its_micro_batches(tiny, learner_env, zero_stage, layout):

@@ -76,6 +76,7 @@ def test_groups_are_found_by_prompt_and_the_layout_forwards_each_prompt_once():
         assert flat.tolist() == s and gb.position_ids.reshape(-1)[where[j]].tolist() == list(range(len(s)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_shared_and_packed_layouts_equal_the_padded_rows_in_values_and_gradients(zoo, arch):
     policy, critic = _models(zoo, arch)

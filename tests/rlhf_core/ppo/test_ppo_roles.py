@@ -438,6 +438,7 @@ def _reference_rank(rank: int, world: int, port: int, model_dir: str, hp: dict, 
     torch.save({"logp": lp, "elements": ref.param_elements()}, f"{out}/rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_zero3_reference_ranks_give_the_one_rank_logprobs_each_holding_half(tiny, tmp_path):
     """ref_num_gpus_per_node 2: two Reference ranks (spawned processes, a gloo group, ZeRO-3 without an
     optimizer) each forward half the batch in token-bounded micro-batches of different counts per rank

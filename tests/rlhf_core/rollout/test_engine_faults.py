@@ -32,6 +32,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_dead_engine_and_stalled_engine_fail_naming_the_stage(local_ray):
     with pytest.raises(generation.GenerationError, match=r"generate \(hf\): engine 2 of 2 died mid-run "
                                                          r"\(\w+\); nothing was committed, rerun to resume"):

@@ -157,6 +157,7 @@ def _rm_rank(rank: int, world: int, port: int, models: list, pairs: list, out: s
                f"{out}/rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_zero3_reward_ranks_score_as_one_each_holding_half(tiny, tmp_path):
     """ppo's reward_num_gpus_per_node 2 under zero_stage 3: two reward ranks (spawned processes, a gloo group), each
     holding its ZeRO-3 partition of a seq-cls RM and of an OpenRLHF value_head RM, score 5 pairs split 3 / 3 (the

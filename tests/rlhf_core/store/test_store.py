@@ -169,6 +169,7 @@ def test_changed_config_keeps_the_previous_version_and_lineage_still_resolves(tm
     assert [m.fingerprint for m in versions.versions(uri)] == [v2.fingerprint] and store.read_table(uri).num_rows == 9
 
 
+@pytest.mark.slow
 def test_changed_model_config_on_s3_keeps_the_previous_model(s3_root, tiny):
     uri = f"{s3_root}/policy"
     a = store.commit_model_dir(tiny.policy_dir, uri, "tiny-model", {"v": 1})

@@ -82,6 +82,7 @@ def test_a_reverted_config_restores_the_kept_dataset_locally(tmp_path):
     assert not (tmp_path / "ds" / "_versions" / v1.fingerprint).exists()
 
 
+@pytest.mark.slow
 def test_gc_in_a_loop_never_leaves_a_version_naming_missing_files(s3_root):
     """A writer re-commits with a changed config 20 times (each keeps the previous version: a server-side copy
     of 8 files on this unversioned bucket) while gc prunes in a loop. After every round, with gc paused,

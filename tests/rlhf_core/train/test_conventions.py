@@ -173,6 +173,7 @@ def test_sft_accumulated_gradient_through_deepspeed_is_the_conventions_mean(tiny
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_sft_stage_trains_on_the_window_token_mean(tiny, tmp_path):
     """The sft stage with loss_token_mean=window, end to end (a DeepSpeed job): its first logged loss is the token
     mean over step 1's whole batch under the initial model (the batch taken from the job's own plan), not the mean of

@@ -30,6 +30,7 @@ def sft_data(root, n):
     return uri
 
 
+@pytest.mark.slow
 # ---------------------------------------------------------------------------------------------- ZeRO-3 + ring, launched
 def test_ring_zero3_sft_job_equals_one_rank_and_each_rank_loads_a_shard(tmp_path, monkeypatch):
     """One sft job on 2 CPU ranks with ring_attn_size 2 (data-parallel size 1) under ZeRO-3, beside the
@@ -115,6 +116,7 @@ def _ring_losses(rank: int, world: int, model_dirs: dict, port: int, out: str, s
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ring_attention_two_ranks_give_one_ranks_loss_and_gradients(tiny, zoo, tmp_path, stride=1):
     """2 spawned processes (gloo, ring_attn_size 2, ring_head_stride 1: one KV head gathered at a time) against
     the same step in this process without ring attention: sft (3 packed samples, 41 tokens: the second slice
@@ -133,6 +135,7 @@ def test_ring_attention_two_ranks_give_one_ranks_loss_and_gradients(tiny, zoo, t
         assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # gradients that could differ
 
 
+@pytest.mark.slow
 # ---------------------------------------------------------------------------------------------- AutoTP, launched
 def test_autotp_two_ranks_train_as_one_and_save_whole_weights(tiny, tmp_path):
     """DeepSpeed AutoTP training runs on CPU over gloo (deepspeed 0.19.8: "tensor_parallel": {"autotp_size"}):
