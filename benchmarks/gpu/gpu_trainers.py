@@ -86,7 +86,7 @@ class GPUMemory:
 
 
 # ---------------------------------------------------------------------------------------------- data and models
-def build(work: Path, small: bool, cuda: bool) -> dict:
+def build(work: Path, small: bool, cuda: bool, rows: int | None = None) -> dict:
     """The tokenizer (demo corpus + the PRM's step tokens), the policy, a teacher and a PRM base (the policy's
     folder), the data files and artifacts; the real tokens of each method's data."""
     import torch
@@ -108,7 +108,7 @@ def build(work: Path, small: bool, cuda: bool) -> dict:
         tok.save_pretrained(str(work / name))
         del model
     rng = random.Random(7)
-    pairs = demo_task.preference_rows(16 if small else 512, seed=7)  # small: two steps of 8, a smoke run
+    pairs = demo_task.preference_rows(rows or (16 if small else 512), seed=7)  # small: two steps of 8, a smoke run
     for r in pairs:  # lengthened: the demo's pairs are 20-43 / 9-82 tokens, short for a GPU
         r["prompt"] = r["prompt"] + " " + " ".join(rng.choice(demo_task.NEUTRAL) for _ in range(rng.randint(20, 60))) + " "
         for k in ("chosen", "rejected"):
@@ -125,7 +125,7 @@ def build(work: Path, small: bool, cuda: bool) -> dict:
     sft_rows = [{"input": r["prompt"], "output": r["chosen"]} for r in pairs]
     kto_rows = data.pairs_to_kto(pairs)
     random.Random(8).shuffle(kto_rows)  # TRL samples sequentially: no alternating labels
-    steps = demo_task.step_rows(16 if small else 512, seed=0)
+    steps = demo_task.step_rows(rows or (16 if small else 512), seed=0)
     (work / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
     (work / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (work / "trl_dpo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
@@ -216,14 +216,16 @@ def trl_side(job: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the run (parent)
-def side(job: dict, cuda: bool, python: str = sys.executable) -> dict:
+def side(job: dict, cuda: bool, python: str = sys.executable, script: Path = HERE) -> dict:
+    """`job` run by `script --job` in its own process (GPU memory sampled meanwhile): its RESULT line, wall seconds
+    and peak GPU GB, or the error's tail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), *filter(None, os.environ.get(
         "PYTHONPATH", "").split(os.pathsep))])}
     if python != sys.executable:  # TRL's own virtualenv (a CPU smoke run): it sees only itself
         env.pop("PYTHONPATH")
     with GPUMemory(cuda) as mem:
         t0 = time.time()
-        proc = subprocess.run([python, str(HERE), "--job", json.dumps(job)], capture_output=True, text=True, env=env)
+        proc = subprocess.run([python, str(script), "--job", json.dumps(job)], capture_output=True, text=True, env=env)
         wall = time.time() - t0
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or not line:
@@ -239,6 +241,7 @@ def main() -> None:
     ap.add_argument("--stages", default="dpo,sft,kto,train_rm,kd,train_prm,sft_liger",
                     help=f"ours, in this order (of {', '.join(STAGES)})")
     ap.add_argument("--trl", default="dpo,sft,kto", help="TRL's trainers run beside ours (after ours of the same method)")
+    ap.add_argument("--rows", type=int, default=None, help="pairs (and PRM rows) of the data (512; small: 16)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--trl-python", default=sys.executable,
@@ -276,7 +279,7 @@ def main() -> None:
           "small": a.small})
     with tempfile.TemporaryDirectory(prefix="gpu-trainers-") as tmp:
         work = Path(tmp)
-        data = build(work, a.small, cuda)
+        data = build(work, a.small, cuda, a.rows)
         emit({"what": "data", **data["rows"], "real_tokens": data["tokens"]})
         args = {"batch": a.batch, "max_len": a.max_len}
         trl_methods = [m for m in a.trl.split(",") if m] if have_trl else []

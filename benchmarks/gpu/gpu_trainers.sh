@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 36 items 5 and 7, for a lent GPU machine (written for it, not yet run: no GPU was lent to the session that
-# wrote it): (1) Liger against the liger-kernel release that travelled (0.8.5 when prepared on 2026-11-26, the
-# current one; the fused log-probs need >= 0.8.5, whose reduction="none" weight gradients are right): the `gpu`
+# wrote it): (1) Liger against the liger-kernel release that travelled (0.8.5, pinned in gpu-constraints.txt; the
+# fused log-probs need >= 0.8.2, whose reduction="none" weight gradients are right): the `gpu`
 # tests that patch use_liger_kernel into a model (tests/rlhf_core/train/test_scale.py) and compare Liger's log-probs
 # and gradients with the plain computation in fp32 and bf16 (tests/rlhf_core/rl/test_logprobs.py); (2) the training
 # stages' jobs in bf16 at the Qwen2-0.5B shape, DPO / SFT / KTO each followed by TRL 1.16's trainer at its best on
