@@ -85,6 +85,16 @@ class Config(StageConfig):
                                     "advantage_estimator distill it is the whole advantage and no reward source is "
                                     "needed; with another estimator it is mixed with the reward's.")
     teacher_coef: float = Field(1.0, gt=0, description="Weight of the teacher's per-token term in the advantage.")
+    lora_rank: int = Field(0, ge=0, description="LoRA RL (--lora_rank): train rank-r adapters of the policy, its weights "
+                           "frozen; the weight sync sends the adapter alone (the hf engines hold the same adapters), "
+                           "checkpoints hold the adapter and its optimizer, the saved policy is the adapter under "
+                           "adapter/ (lora_merge: the merged model at the root too). 0: the whole policy trains.")
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha (--lora_alpha).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (--lora_dropout).")
+    target_modules: list[str] | None = Field(None, description="LoRA target modules (--target_modules; default all "
+                                             "linear layers but the LM head).")
+    lora_merge: bool = Field(False, description="LoRA RL: save the merged policy at the artifact's root beside adapter/ "
+                             "(default: the adapter only, which every stage reading the artifact merges onto its base).")
     advantage_estimator: Literal[rl_math.ESTIMATORS] = Field("gae", description=" | ".join(rl_math.ESTIMATORS))
     n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (>= 2 for group estimators).")
     rollout_batch_size: int = Field(8, ge=1, description="Prompts per step.")

@@ -105,6 +105,17 @@ def settings(cfg) -> None:
 
 def engines(cfg) -> None:
     """Rollout engines and the weight path, checked before Ray starts."""
+    if getattr(cfg, "lora_rank", 0):
+        if cfg.rollout_backend == "vllm" and cfg.vllm_num_engines:
+            raise ValueError("lora_rank with rollout_backend vllm: the vLLM engines would need the adapter through "
+                             "vLLM's LoRA serving, which is not wired here; use rollout_backend hf (its engines hold "
+                             "the adapter and receive it alone) or train the whole policy (lora_rank 0)")
+        if cfg.zero_stage == 3:
+            raise ValueError("lora_rank with zero_stage 3: the ppo learner's adapters are not partitioned here; use "
+                             "zero_stage 2 (the adapter and its optimizer are small)")
+        if cfg.weight_sync_backend == "object_store":
+            raise ValueError("lora_rank with weight_sync_backend object_store: the adapter travels over the "
+                             "collective weight group; use collective")
     if cfg.async_train and cfg.vllm_enable_sleep:  # OpenRLHF: "Async RLHF is not supported with --vllm.enable_sleep"
         raise ValueError("async_train cannot be used with vllm_enable_sleep: under async_train the engines "
                          "generate the next batch while the learners train, so they have no time to sleep in, "

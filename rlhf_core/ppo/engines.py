@@ -75,7 +75,9 @@ class HFRollout:
     release_above_gb: float | None = RELEASE_ABOVE_GB
     share_prefill = True  # each distinct prompt's prefill once, its cache selected for the rows repeating it
 
-    def __init__(self, model_dir: str, bf16: bool = False):
+    def __init__(self, model_dir: str, bf16: bool = False, lora: dict | None = None):
+        """`lora`: LoRA RL's settings (lora_rank, ...): the engine holds the same adapters as the learner, and each
+        weight sync brings the adapter alone."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_core.inputs import models
@@ -85,6 +87,10 @@ class HFRollout:
         self.device = device()
         dtype = torch.bfloat16 if bf16 else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+        if lora and lora.get("lora_rank"):
+            from rlhf_core.ppo.roles import lora_wrapped
+
+            self.model = lora_wrapped(self.model, lora).get_base_model()  # the adapters injected, as the learner's
         self.model.to(self.device).eval()
         self.pad_id = models.pad_id(tok, model_dir)
         self.eos_ids = set(models.eos_ids(tok, model_dir))  # the whole EOS list (Llama-3 stops on <|eot_id|>)
@@ -421,4 +427,5 @@ def engine_spec(cfg, model_dir: str, max_model_len: int) -> tuple[type, tuple]:
         return VLLMRollout, (model_dir, max_model_len, cfg.bf16, cfg.vllm_gpu_memory_utilization,
                              cfg.vllm_tensor_parallel_size, cfg.enable_prefix_caching, cfg.enforce_eager,
                              cfg.vllm_enable_sleep, cfg.colocate_all_models)
-    return HFRollout, (model_dir, cfg.bf16)
+    lora = {k: getattr(cfg, k, None) for k in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")}
+    return HFRollout, (model_dir, cfg.bf16, lora if lora["lora_rank"] else None)

@@ -85,7 +85,9 @@ def learner_settings(cfg) -> dict:
             "packing_samples", "use_dynamic_batch", "train_max_tokens_per_gpu", "adam_offload", "value_head_prefix",
             "weight_sync_bucket_mb", "attn_implementation", "shared_prompt", "lr_scheduler", "tokenizer_chat_template",
             "overlap_comm", "deepcompile")
-    return {**{k: getattr(cfg, k) for k in keys}, "eps_clip_low": low, "eps_clip_high": high,
+    lora = {"lora_rank": 0, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": None, "lora_merge": False}
+    return {**{k: getattr(cfg, k) for k in keys}, **{k: getattr(cfg, k, v) for k, v in lora.items()},
+            "eps_clip_low": low, "eps_clip_high": high,
             "ptx_coef": cfg.ptx_coef if cfg.pretrain_data else 0.0,
             "micro_rollout_batch_size": cfg.micro_rollout_batch_size or cfg.micro_train_batch_size,
             "rollout_max_tokens_per_gpu": cfg.rollout_max_tokens_per_gpu or cfg.train_max_tokens_per_gpu,

@@ -112,7 +112,8 @@ def save_checkpoint(learner, ckpt_uri: str, tag: str) -> list[dict]:
 
     local = _rank_dir(learner, "ckpt", ckpt_uri)
     shutil.rmtree(local, ignore_errors=True)
-    learner.engine.save_checkpoint(str(local / _group(learner)), tag=tag, save_latest=False)
+    lora = bool(learner.hp.get("lora_rank"))  # LoRA RL: the adapter and its optimizer, not the frozen weights
+    learner.engine.save_checkpoint(str(local / _group(learner)), tag=tag, save_latest=False, exclude_frozen_parameters=lora)
     try:
         return checkpoints.upload_files(local, ckpt_uri, tag, storage_options())
     finally:
@@ -136,10 +137,32 @@ def load_checkpoint(learner, meta: dict, fetch: bool = False) -> str | None:
             shutil.rmtree(local, ignore_errors=True)
             return str(e)
         return None
-    learner.engine.load_checkpoint(str(local / meta["tag"] / _group(learner)), tag=meta["tag"])
+    learner.engine.load_checkpoint(str(local / meta["tag"] / _group(learner)), tag=meta["tag"],
+                                   load_module_strict=not learner.hp.get("lora_rank"))  # LoRA: the adapter only
     shutil.rmtree(local, ignore_errors=True)
     drop_offload_buffers(learner.engine.optimizer)
     return None
+
+
+def _save_adapter(learner, local: Path) -> list[str]:
+    """LoRA RL's policy (rank 0; ZeRO <= 2: every rank holds the whole adapter): the adapter under adapter/ and the
+    tokenizer at the root, the layout of the trainers' lora_merge=false (rlhf_core.inputs.models.adapter_only: a stage
+    reading it merges it onto the lineage's policy); with lora_merge the merged model at the root too."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.inputs import models
+
+    if learner.rank != 0:
+        return []
+    shutil.rmtree(local, ignore_errors=True)
+    learner.peft.save_pretrained(str(local / models.ADAPTER_DIR), safe_serialization=True)  # the trained adapter
+    tok = AutoTokenizer.from_pretrained(learner.model_dir)
+    if learner.hp.get("tokenizer_chat_template"):
+        tok.chat_template = learner.hp["tokenizer_chat_template"]
+    tok.save_pretrained(str(local))
+    if learner.hp.get("lora_merge"):
+        models.merge_adapter(learner.model_dir, local, local, bf16=learner.hp["bf16"])
+    return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
 
 
 def drop_offload_buffers(optimizer) -> int:
@@ -187,6 +210,8 @@ def save_model(learner, out_uri: str, sub: str = "", upload: bool = False) -> li
     from rlhf_core.ppo import weight_sync
 
     module = learner.engine.module
+    if learner.hp.get("lora_rank"):
+        return _save_adapter(learner, local)
     shards = weight_sync.buckets(learner, learner.hp["weight_sync_bucket_mb"] * 2 ** 20)
     if learner.rank == 0:
         shutil.rmtree(local, ignore_errors=True)

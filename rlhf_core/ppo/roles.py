@@ -93,7 +93,7 @@ class Learner:
             opt = FusedAdam(model.parameters(), lr=lr, betas=tuple(hp["adam_betas"]), weight_decay=hp["l2"],
                             adam_w_mode=True)
         else:
-            opt = adamw(model.parameters(), lr, hp["adam_betas"], hp["l2"])
+            opt = adamw([q for q in model.parameters() if q.requires_grad], lr, hp["adam_betas"], hp["l2"])  # LoRA: the adapter
         # OpenRLHF's get_scheduler(lr_scheduler, num_warmup_steps=ceil(steps x ratio), min_lr = lr x min_lr_ratio):
         # the trainers' schedule (transformers' formulas)
         warm = schedule.warmup_steps(hp["lr_warmup_ratio"], total_steps)
@@ -125,6 +125,9 @@ class Learner:
             model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
                                                                        use_safetensors=True, **model_kwargs(hp, model_dir))
         del zero3
+        if self.kind == "policy" and hp.get("lora_rank"):  # LoRA RL: the adapters train, the weights stay frozen
+            self.peft = lora_wrapped(model, hp)  # kept to save the adapter; the model trained is its injected base
+            model = self.peft.get_base_model()
         return model
 
     def param_elements(self) -> int:
@@ -354,6 +357,18 @@ class Learner:
 
     def save_model(self, *args, **kwargs):
         return node_store.save_model(self, *args, **kwargs)
+
+
+def lora_wrapped(model, hp: dict):
+    """`model` with LoRA adapters (peft, OpenRLHF's --lora_rank / --lora_alpha / --lora_dropout / --target_modules:
+    all linear layers but the LM head by default), its own weights frozen: the PeftModel, whose get_base_model() is
+    `model` with the adapters injected into its layers. The learner trains that model (its forwards are the plain
+    causal LM's) and the hf rollout engine wraps its copy the same way, so the weight sync sends the adapter by the
+    same names."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=hp["lora_rank"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
+                                            target_modules=hp["target_modules"] or "all-linear", task_type="CAUSAL_LM"))
 
 
 class Reference:

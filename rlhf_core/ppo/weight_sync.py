@@ -133,8 +133,10 @@ class ObjectStoreSync:
 
 # ---------------------------------------------------------------- the learner's end (Learner.weight_sync)
 def _named_params(learner) -> dict:
-    """name -> parameter, each once (a tied lm_head is the embedding: it travels once and the engine ties it too)."""
-    return dict(learner.engine.module.named_parameters())
+    """name -> parameter, each once (a tied lm_head is the embedding: it travels once and the engine ties it too); LoRA
+    RL: the adapter's only (the rest is frozen: the engines hold it already)."""
+    named = dict(learner.engine.module.named_parameters())
+    return {n: p for n, p in named.items() if p.requires_grad} if learner.hp.get("lora_rank") else named
 
 
 def _shape(p) -> tuple:

@@ -1,0 +1,80 @@
+"""LoRA RL in the ppo stage (issue 45 item 3): lora_rank trains adapters of the policy, its weights frozen; the weight
+sync sends the adapter alone to the hf engines (which hold the same adapters), checkpoints hold the adapter and its
+optimizer, the committed policy is the adapter (adapter/, merged onto the base by whatever reads the artifact), and a
+run interrupted after an adapter checkpoint resumes from it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core import store
+from rlhf_core.demo import demo_task
+from rlhf_core.inputs import model_inputs, models
+from stages import ppo
+
+pytestmark = pytest.mark.slow
+
+
+def test_settings_lora_rl_refuses_what_it_cannot_run():
+    base = dict(policy_uri="p", prompts_uri="q", output_uri="o", reward_func_path="r.py", n_samples_per_prompt=2,
+                advantage_estimator="group_norm", lora_rank=8)
+    with pytest.raises(ValueError, match="lora_rank with rollout_backend vllm: the vLLM engines would need the adapter"):
+        ppo.Config(**base, rollout_backend="vllm")
+    with pytest.raises(ValueError, match="lora_rank with zero_stage 3"):
+        ppo.Config(**base, rollout_backend="hf", zero_stage=3)
+    ppo.Config(**base, rollout_backend="hf")
+    ppo.Config(**base, rollout_backend="hf", vllm_num_engines=0)  # the policy rank generates with its own adapters
+
+
+def test_a_lora_run_syncs_and_saves_the_adapter_alone_and_resumes_from_an_adapter_checkpoint(tiny, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(16, 0)))
+    out = tmp_path / "out"
+    fail = tmp_path / "fail_in_step_3.py"
+    fail.write_text(  # the demo's reward, failing once a checkpoint is committed while the run is armed
+        "from pathlib import Path\n"
+        "from rlhf_core.demo.demo_task import reward_func as gold\n"
+        f"OUT, ARMED = Path({str(out)!r}), Path({str(tmp_path / 'armed')!r})\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    if ARMED.exists() and list(OUT.glob('checkpoints/*/*.json')):\n"
+        "        raise RuntimeError('the node went away in step 3')\n"
+        "    return gold(queries, prompts, labels)\n")
+    cfg = ppo.Config(policy_uri=tiny.policy_uri, prompts_uri=str(prompts), output_uri=str(out), reward_func_path=str(fail),
+                     input_template=demo_task.INPUT_TEMPLATE, generate_max_len=6, advantage_estimator="group_norm",
+                     n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=8, micro_train_batch_size=8,
+                     lr_warmup_ratio=0.0, init_kl_coef=0.01, rollout_backend="hf", lora_rank=4, lora_alpha=8,
+                     actor_learning_rate=1e-2, save_steps=2)
+    (tmp_path / "armed").write_text("")
+    with pytest.raises(Exception, match="the node went away in step 3"):
+        ppo.run(cfg)
+    from rlhf_core.train import checkpoints
+
+    (marker,) = out.glob(f"checkpoints/*/{checkpoints.MARKER}")
+    meta = json.loads(marker.read_text())
+    model_bytes = sum(f.stat().st_size for f in Path(tiny.policy_dir).glob("*.safetensors"))
+    actor = sum(f["size"] for f in meta["files"] if f["path"].startswith("actor/"))
+    assert marker.parent.name == "step-2" and actor < 0.5 * model_bytes, (actor, model_bytes)  # no frozen weights
+    (tmp_path / "armed").unlink()
+    m = ppo.run(cfg)
+    assert m.metrics["resumed_from_step"] == 2 and m.metrics["steps_done"] == 4
+
+    log = json.loads((out / "training_log.json").read_text())
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * 4 for t in adapter.values())
+    assert {h["weight_sync_bytes"] for h in log} == {adapter_bytes} and adapter_bytes < 0.1 * model_bytes
+    files = [f["path"] for f in m.files]
+    assert models.adapter_only(files) and ("tokenizer.json" in files or "tokenizer_config.json" in files)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # B moved off zero
+
+    merged_dir = model_inputs.fetch_model(str(out))  # a stage reading the artifact: base + adapter, merged
+    base = load_file(str(Path(tiny.policy_dir) / "model.safetensors"))
+    merged = {}
+    for f in Path(merged_dir).glob("*.safetensors"):
+        merged |= load_file(str(f))
+    assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not adapted
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    store.read_manifest(str(out))
