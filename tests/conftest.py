@@ -329,6 +329,7 @@ def _ray_per_test(request):
     if request.node.get_closest_marker("shared_ray") is None:
         yield
         return
+    request.getfixturevalue("moto_s3")  # first: Ray's workers take the environment they start with (the S3 variables)
     SHARED_RAY.up()
     yield
     if left := SHARED_RAY.leftovers():
