@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlhf_core.inputs import data, model_inputs, models
 from rlhf_core import store
+from rlhf_core.runtime import jobs
 from rlhf_core.train import attention, batches
-from rlhf_core.train.launch import tokenizer_id
+from rlhf_core.train.launch import gpu_count, tokenizer_id
 from rlhf_core.train.reference import compute
 from stages.common import StageConfig
 
@@ -37,12 +38,19 @@ class Config(StageConfig):
         "auto", description="A job like the training stages (deepspeed, torchrun, python), or `inline` in this "
                             "process on its one device; auto: inline for one device without ZeRO-3, else deepspeed.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="3: shard the weights over the ranks (models too big for one device).")
-    num_gpus: int = Field(1, ge=1, description="Processes per node (GPUs; CPU processes without a GPU).")
+    num_gpus: int | Literal["all"] = Field(
+        1, description="Processes per node (GPUs; CPU processes without a GPU); all: every GPU of each node, as the "
+        "training stages take it.")
     num_nodes: int = Field(1, ge=1, description="Nodes (with hostfile).")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")
 
     runtime_fields: ClassVar[set[str]] = StageConfig.runtime_fields | {
         "batch_size", "launcher", "zero_stage", "num_gpus", "num_nodes", "hostfile"}
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _gpus(cls, v):
+        return gpu_count(v)
 
 
 def run(cfg: Config) -> store.Manifest:
@@ -62,7 +70,7 @@ def run(cfg: Config) -> store.Manifest:
     attention.check(cfg.attn_implementation, ref_dir)
     w.begin()
     t0 = time.time()
-    one_device = cfg.num_gpus * cfg.num_nodes == 1 and cfg.zero_stage != 3
+    one_device = jobs.world_size(cfg.num_gpus, cfg.num_nodes, cfg.hostfile)[0] == 1 and cfg.zero_stage != 3
     launcher = cfg.launcher if cfg.launcher != "auto" else "inline" if one_device else "deepspeed"
     chosen, rejected, seconds = compute(records, ref_dir, models.pad_id(tok, ref_dir), store.cache_root() / "jobs" / w.fingerprint,
                                bf16=cfg.bf16, zero_stage=cfg.zero_stage, batch_size=cfg.batch_size,

@@ -75,11 +75,9 @@ def include(v):
     """deepspeed --include HOST[:SLOTS][@HOST[:SLOTS]]: the ranks per node (and nodes) it selects."""
     hosts = [h for h in str(v).split("@") if h]
     slots = [len(h.split(":", 1)[1].split(",")) if ":" in h else None for h in hosts]
-    if None in slots:
-        raise NoCounterpart("a host without slots takes every GPU it has: give num_gpus")
-    if len(set(slots)) > 1:
+    if len(set(slots)) > 1:  # None: a host without slots, every GPU it has
         raise NoCounterpart(f"{slots} GPUs on the {len(hosts)} hosts: the stages place the same number per node")
-    return {"num_gpus": slots[0], **({"num_nodes": len(hosts)} if len(hosts) > 1 else {})}
+    return {"num_gpus": slots[0] or "all", **({"num_nodes": len(hosts)} if len(hosts) > 1 else {})}
 
 
 CONVERTERS = {"steps": steps, "param_dtype": param_dtype, "sync_backend": sync_backend, "text": str,

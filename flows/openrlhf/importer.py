@@ -15,7 +15,7 @@ holding here without a key; the output is checked for it before it is printed (`
 command omits get OpenRLHF's default of the version its dialect belongs to (flat: v0.9.10; dotted: v0.11.0; kto
 / kd / prm / batch_inference: v0.9.5) where it differs from the stage's, and the header says which version was
 assumed; placement too: train_ppo_ray's 8 GPUs per node for each role it starts, and `deepspeed` without
---num_gpus (every GPU of the node: named, with the fewest GPUs the command's own settings need). Model and
+--num_gpus (every GPU of the node: `num_gpus: all`, which the stages count at launch). Model and
 dataset hub ids (`org/name[@rev]`) are written as given, OpenRLHF's `json@DIR` as the folder DIR; a W&B key
 is never written (the note says where it goes). `batch_inference --post_processor rs|iter_dpo|csft` becomes score
 then the filter stage, the trainer reading the filter's output; a script's generate -> score -> train loop
@@ -30,7 +30,6 @@ and validated with each stage's (or the flow's) Config before it is printed.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 import sys
@@ -260,19 +259,11 @@ def placement(cmd: Command, out: Converted) -> None:
         return
     if "num_gpus" in launch:
         return
-    s = out.sections[main]
     if cuda := cmd.env.get("CUDA_VISIBLE_DEVICES"):
         put(out, main, "num_gpus", len([d for d in cuda.split(",") if d.strip()]),
             f"(CUDA_VISIBLE_DEVICES={cuda}: deepspeed starts a rank per GPU it lists)")
         return
-    parallel = {k: s[k] for k in ("ring_attn_size", "ds_tensor_parallel_size") if isinstance(s.get(k), int) and s[k] > 1}
-    need = math.lcm(1, *parallel.values())
-    if need > 1:
-        put(out, main, "num_gpus", need, f"(deepspeed without --num_gpus: every GPU of the node; at least "
-            f"{' and '.join(f'{k} {v}' for k, v in parallel.items())})")
-    out.notes.append(f"deepspeed without --num_gpus starts a rank on every GPU of the node: num_gpus {need} here "
-                     f"({'the fewest ' + ' and '.join(parallel) + ' needs' if parallel else 'the stage default'}): set "
-                     "it to the node's GPU count (the stages take a count, not 'every GPU')")
+    put(out, main, "num_gpus", "all", "(deepspeed without --num_gpus: every GPU of the node, counted at launch)")
 
 
 def name_split(out: Converted, shown: str, split: str, source: str, where: list[tuple[str, str]]) -> None:

@@ -8,6 +8,7 @@ raises JobFailed carrying the child's last lines.
     1 process:     python -u -m rlhf_core.train.entry SPEC   (the entry sets the rank variables)
     G processes:   deepspeed --num_gpus G --master_port P --module rlhf_core.train.entry SPEC
     multi-node:    deepspeed --hostfile H --num_nodes N --num_gpus G ...   (same code path)
+    every GPU:     deepspeed --master_port P --module ...   (num_gpus "all"; torchrun --nproc_per_node gpu)
 
 A one-process job skips DeepSpeed's launcher: its runner and its `launch` module are two more Python
 processes importing deepspeed before the rank starts, and the launcher polls the rank's exit once a
@@ -52,22 +53,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launcher_command(module: str, args: list[str], launcher: str = "deepspeed", num_gpus: int = 1,
+def gpus_here() -> int:
+    """GPUs this host shows (CUDA_VISIBLE_DEVICES respected, as deepspeed's runner and torchrun count them)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def procs_per_node(num_gpus: int | str) -> int:
+    """Processes a job starts on this node: `num_gpus`, or for "all" every GPU here (one on a host without GPUs)."""
+    return num_gpus if num_gpus != "all" else max(1, gpus_here())
+
+
+def hostfile_slots(hostfile: str) -> list[int | None]:
+    """Each host's slots in a DeepSpeed hostfile ("host slots=N" lines; None: a host without slots=)."""
+    out = []
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+            out.append(int(slots[0]) if slots else None)
+    return out
+
+
+def world_size(num_gpus: int | str, num_nodes: int = 1, hostfile: str | None = None) -> tuple[int, str]:
+    """(ranks a job starts, how they were counted). num_gpus "all" (deepspeed without --num_gpus) is every GPU of
+    each node: with a hostfile the slots of its first num_nodes hosts (deepspeed's runner reads them), else this
+    host's GPUs on each node; a host without GPUs runs one process per node."""
+    if num_gpus != "all":
+        return num_gpus * num_nodes, "num_gpus x num_nodes"
+    here = gpus_here()
+    if not here:
+        return num_nodes, f"num_gpus all: no GPU on this host, 1 process per node x {num_nodes} node(s)"
+    slots = hostfile_slots(hostfile)[:num_nodes] if hostfile and Path(hostfile).is_file() else []
+    if slots and None not in slots:
+        return sum(slots), f"num_gpus all: the slots {slots} of {hostfile}"
+    return here * num_nodes, f"num_gpus all: {here} GPU(s) on this host x {num_nodes} node(s)"
+
+
+def launcher_command(module: str, args: list[str], launcher: str = "deepspeed", num_gpus: int | str = 1,
                      num_nodes: int = 1, hostfile: str | None = None, master_port: int | None = None,
                      master_addr: str | None = None, node_rank: int | str = 0) -> list[str]:
     """The command line running `python -m module args` under the chosen launcher (torchrun with several
-    nodes: this is node `node_rank`, node 0 listens on master_addr:master_port)."""
+    nodes: this is node `node_rank`, node 0 listens on master_addr:master_port). num_gpus "all": no --num_gpus
+    (deepspeed starts a rank on every GPU of each node), torchrun's --nproc_per_node gpu; one process on a host
+    without GPUs."""
     bindir = Path(sys.executable).parent
+    if num_gpus == "all" and not gpus_here():
+        num_gpus = 1
     port = str(master_port or free_port())
     if launcher == "deepspeed" and num_gpus == 1 and num_nodes == 1 and not hostfile and master_port is None:
         launcher = "python"  # one process: nothing for the launcher to do (module docstring)
     if launcher == "deepspeed":
-        cmd = [str(bindir / "deepspeed"), "--num_gpus", str(num_gpus), "--master_port", port]
+        cmd = [str(bindir / "deepspeed"), *(["--num_gpus", str(num_gpus)] if num_gpus != "all" else []), "--master_port", port]
         if hostfile:
             cmd += ["--hostfile", hostfile, "--num_nodes", str(num_nodes)]
         return cmd + ["--module", module, *args]
     if launcher == "torchrun":
-        cmd = [str(bindir / "torchrun"), "--nproc_per_node", str(num_gpus), "--nnodes", str(num_nodes),
+        cmd = [str(bindir / "torchrun"), "--nproc_per_node", "gpu" if num_gpus == "all" else str(num_gpus), "--nnodes", str(num_nodes),
                "--master_port", port]
         if num_nodes > 1:
             cmd += ["--node_rank", str(node_rank), "--master_addr", master_addr or "127.0.0.1"]

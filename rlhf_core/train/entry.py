@@ -26,6 +26,11 @@ from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
 
+# Tests: DeepSpeed's stage3_param_persistence_threshold (default 1e5 elements). ZeRO-3 keeps a tensor below it whole
+# on every rank, which is every tensor of a tiny test model: 0 partitions them all, as a real model's are.
+ZERO3_PERSISTENCE_ENV = "RLHF_FLOWS_TEST_ZERO3_PERSISTENCE"
+
+
 def _say(rank: int, msg: str) -> None:
     if rank == 0:
         print(msg, flush=True)
@@ -213,9 +218,10 @@ def evaluate(engine, spec: dict, method, records: list[dict], rank: int, world: 
     with torch.no_grad():
         for j in range(math.ceil(len(records) / (world * mb))):  # as many forwards on every rank
             k = (j * world + rank) * mb
-            if k >= len(records):  # ZeRO-3 gathers parameters collectively: this rank forwards, its metrics dropped
-                if spec["zero_stage"] == 3:
-                    method.step(engine, spec, records[:mb], pad_id)
+            if k >= len(records):  # ZeRO-3 gathers parameters collectively: this rank forwards, its metrics dropped;
+                if spec["zero_stage"] == 3 or not sums:  # a rank without records forwards once for the metrics' names,
+                    _, met, _ = method.step(engine, spec, records[:mb], pad_id)  # else its all-reduce below is empty
+                    sums |= {name: sums.get(name, 0.0) for name in met}
                 continue
             _, met, _ = method.step(engine, spec, records[k:k + mb], pad_id)
             for name, v in met.items():
@@ -280,33 +286,69 @@ def disable_dropout(model) -> int:
 
 def save_final(engine, spec: dict, method, rank: int, extra_config: dict, out: Path | None = None) -> None:
     """save_pretrained (safetensors) + tokenizer into `out` (default the job's model folder); ZeRO-3 weights
-    gathered; LoRA: adapter and merged model."""
+    gathered. LoRA: the adapter in adapter/ (under ZeRO-3 only its weights are gathered: no rank holds the
+    whole model) and, with lora_merge, the merged model at the root (adapter_merged)."""
     from transformers import AutoTokenizer
 
     out = out or Path(spec["work_dir"]) / "model"
     model = getattr(engine, "module", engine)  # a DeepSpeed engine, or a bare model (inline reference pass)
-    sharded = spec["zero_stage"] == 3 or spec.get("ds_tensor_parallel_size", 1) > 1  # ZeRO-3 or AutoTP shards
-    sd = engine._consolidated_16bit_state_dict() if sharded else None  # all ranks take part; rank 0 keeps it
+    if spec["lora_rank"] > 0:
+        sd = gathered_trainable(model, rank)  # all ranks take part; rank 0 keeps it
+    else:
+        sharded = spec["zero_stage"] == 3 or spec.get("ds_tensor_parallel_size", 1) > 1  # ZeRO-3 or AutoTP shards
+        sd = engine._consolidated_16bit_state_dict() if sharded else None  # all ranks take part; rank 0 keeps it
     if rank != 0:
         return
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
     for k, v in extra_config.items():
-        setattr((model.get_base_model() if hasattr(model, "get_base_model") else model).config, k, v)
+        setattr(core.config, k, v)
     if spec["lora_rank"] > 0:
-        model.save_pretrained(str(out / "adapter"), safe_serialization=True)
-        if spec["lora_merge"] and spec.get("load_in_4bit"):  # merge into the unquantized base, not into NF4 weights
-            from peft import PeftModel
-
-            auto, head = _auto(method)
-            base = auto.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if spec["bf16"] else torch.float32, **head)
-            PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload().save_pretrained(str(out))
-        elif spec["lora_merge"]:
-            model.merge_and_unload().save_pretrained(str(out), safe_serialization=True)
+        model.save_pretrained(str(out / "adapter"), state_dict=sd, safe_serialization=True)
+        if spec["lora_merge"]:
+            adapter_merged(spec, method, out, core.config).save_pretrained(str(out), safe_serialization=True)
     else:
         model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     if spec.get("tokenizer_chat_template"):
         tok.chat_template = spec["tokenizer_chat_template"]
     tok.save_pretrained(str(out))
+
+
+def gathered_trainable(model, rank: int) -> dict | None:
+    """{name: CPU tensor} of every trainable parameter (a LoRA run: the adapter, and a reward model's score head)
+    on rank 0, None elsewhere; every rank must call it. Under ZeRO-3 each module's trainable parameters are
+    gathered in turn (deepspeed.zero.GatheredParameters), the frozen base never: one module's adapter at a time
+    beyond the partitions. Without ZeRO-3 the parameters are whole already (the gather does nothing)."""
+    import deepspeed
+
+    out: dict = {}
+    for prefix, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):  # read-only
+            if rank == 0:
+                out |= {f"{prefix}.{n}" if prefix else n: p.detach().to("cpu", copy=True) for n, p in own}
+    return out if rank == 0 else None
+
+
+def adapter_merged(spec: dict, method, out: Path, config):
+    """lora_merge: the base as it is on disk with the adapter saved in out/adapter merged into it (peft's
+    merge_and_unload, W + (alpha / r) * B @ A: the lora_combine stage's merge), carrying the trained model's
+    `config` (disabled dropout, a method's saved figures). The base is frozen, so this is the trained model;
+    building it apart leaves the training model as it was (save_hf_ckpt saves mid-run), needs no whole model on
+    any rank under ZeRO-3 and merges into unquantized weights under QLoRA. Rank 0 holds one copy of the model
+    on CPU meanwhile, as a ZeRO-3 full save gathers one."""
+    from peft import PeftModel
+
+    auto, head = _auto(method)
+    base = auto.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if spec["bf16"] else torch.float32,
+                                use_safetensors=True, **head)
+    merged = PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload()
+    kept = config.to_dict()
+    kept.pop("quantization_config", None)  # QLoRA's base was 4-bit for training; the merged weights are not
+    merged.config = type(config).from_dict(kept)
+    return merged
 
 
 def _tracker(spec: dict, history: list[dict]):
@@ -423,6 +465,8 @@ def main(spec_ref: str) -> None:
     total = plan.total_steps
     method = get_method(spec["method"])
     zero = {"stage": spec["zero_stage"]}
+    if spec["zero_stage"] == 3 and os.environ.get(ZERO3_PERSISTENCE_ENV):
+        zero["stage3_param_persistence_threshold"] = int(os.environ[ZERO3_PERSISTENCE_ENV])
     if spec["adam_offload"]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     ds_config = {"train_batch_size": spec["train_batch_size"] * (world // dworld),  # DeepSpeed counts every rank as data-parallel

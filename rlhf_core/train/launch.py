@@ -13,7 +13,7 @@ from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from rlhf_core.inputs import data, models
 from rlhf_core.runtime import faults, jobs
@@ -60,7 +60,10 @@ class TrainFields(BaseModel):
     load_in_4bit: bool = Field(False, description="QLoRA: NF4 4-bit frozen base (bitsandbytes, CUDA only) + LoRA (lora_rank > 0).")
     # runtime: placement and bookkeeping, left out of the fingerprint
     launcher: Literal["deepspeed", "torchrun", "python"] = Field("deepspeed", description="How the job starts.")
-    num_gpus: int = Field(1, ge=1, description="Processes per node (GPUs; CPU processes without a GPU).")
+    num_gpus: int | Literal["all"] = Field(
+        1, description="Processes per node (GPUs; CPU processes without a GPU). all: every GPU of each node, as "
+        "`deepspeed` without --num_gpus runs (torchrun --nproc_per_node gpu; a hostfile's slots; one process on a "
+        "host without GPUs); the checks that need the world size then run at launch.")
     num_nodes: int = Field(1, ge=1, description="Nodes (with hostfile).")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")
     master_addr: str | None = Field(None, description="torchrun multi-node: address of node 0 (this host); other "
@@ -122,16 +125,22 @@ class TrainFields(BaseModel):
     use_liger_kernel: bool = Field(False, description="Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the "
                                    "model (OpenRLHF --ds.use_liger_kernel): CUDA only, the liger-kernel package (gpu extra).")
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _gpus(cls, v):
+        return gpu_count(v)
+
     @model_validator(mode="after")
     def _batches_divide(self):
-        per_step = self.micro_train_batch_size * self.num_gpus * self.num_nodes
-        if self.train_batch_size % per_step:
+        if self.num_gpus != "all":  # "all": at launch, once the count is known (check_world)
+            self._batch_divides(self.num_gpus * self.num_nodes)
+        elif self.train_batch_size % self.micro_train_batch_size:
             raise ValueError(f"train_batch_size {self.train_batch_size} is not divisible by micro_train_batch_size "
-                             f"x world size ({self.micro_train_batch_size} x {self.num_gpus * self.num_nodes} = {per_step})")
-        if self.lora_rank and self.zero_stage == 3:
-            raise ValueError("LoRA with zero_stage 3 is not supported: use zero_stage 2")
+                             f"{self.micro_train_batch_size} (num_gpus all: nor by it x any world size)")
         if self.load_in_4bit and not self.lora_rank:
             raise ValueError("load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: set lora_rank > 0")
+        if self.load_in_4bit and self.zero_stage == 3:  # ZeRO-3 would partition the packed NF4 weights
+            raise ValueError("load_in_4bit (QLoRA) with zero_stage 3 is not supported: use zero_stage 2")
         if self.eval_dataset and self.eval_holdout:
             raise ValueError("give eval_dataset or eval_holdout, not both")
         if not (self.eval_dataset or self.eval_holdout):
@@ -146,20 +155,46 @@ class TrainFields(BaseModel):
 
     @model_validator(mode="after")
     def _scale_settings(self):  # part C (issue 24)
-        world = self.num_gpus * self.num_nodes
         if self.ring_attn_size > 1 and not self.packing_samples:
             raise ValueError("ring_attn_size > 1 splits a packed row over ranks: set packing_samples=true")
         if self.ring_attn_size > 1 and self.ds_tensor_parallel_size > 1:
             raise ValueError("ring_attn_size and ds_tensor_parallel_size together are not supported: use one")
         if self.ring_attn_size > 1 and self.aux_loss_coef:
             raise ValueError("aux_loss_coef with ring_attn_size > 1 is not supported (each rank routes only its slice)")
-        for k in ("ring_attn_size", "ds_tensor_parallel_size"):
-            if world % getattr(self, k):
-                raise ValueError(f"{k} {getattr(self, k)} does not divide the world size {world} (num_gpus x num_nodes)")
+        if self.num_gpus != "all":
+            self._groups_divide(self.num_gpus * self.num_nodes)
         if self.ds_tensor_parallel_size > 1 and (self.zero_stage == 3 or self.lora_rank):
             raise ValueError("ds_tensor_parallel_size > 1 is supported with zero_stage 0-2 and full fine-tuning "
                              "(lora_rank 0)")
         return self
+
+    def _batch_divides(self, world: int, how: str = "") -> None:
+        per_step = self.micro_train_batch_size * world
+        if self.train_batch_size % per_step:
+            raise ValueError(f"train_batch_size {self.train_batch_size} is not divisible by micro_train_batch_size "
+                             f"x world size ({self.micro_train_batch_size} x {world} = {per_step}{how and '; ' + how})")
+
+    def _groups_divide(self, world: int, how: str = "num_gpus x num_nodes") -> None:
+        for k in ("ring_attn_size", "ds_tensor_parallel_size"):
+            if world % getattr(self, k):
+                raise ValueError(f"{k} {getattr(self, k)} does not divide the world size {world} ({how})")
+
+
+def gpu_count(v: int | str) -> int | str:
+    """num_gpus: a count >= 1, or "all"."""
+    if v != "all" and v < 1:
+        raise ValueError(f"num_gpus {v}: give a count >= 1, or all (every GPU of each node)")
+    return v
+
+
+def check_world(cfg) -> int:
+    """The job's world size, num_gpus "all" resolved as the launcher will start it (jobs.world_size), after the
+    checks a count runs at config time: each refusal names the size it resolved to."""
+    world, how = jobs.world_size(cfg.num_gpus, cfg.num_nodes, cfg.hostfile)
+    if cfg.num_gpus == "all":
+        cfg._batch_divides(world, how)
+        cfg._groups_divide(world, how)
+    return world
 
 
 class SourceFields(BaseModel):
@@ -191,6 +226,7 @@ def check_hardware(cfg) -> None:
     if cfg.load_in_4bit and not torch.cuda.is_available():
         raise ValueError("load_in_4bit (QLoRA) needs a CUDA GPU; this host has none: set load_in_4bit=false")
     attention.check(cfg.attn_implementation)  # part A: an implementation this host can train with
+    check_world(cfg)  # num_gpus all: the world size is known here
     if cfg.deepcompile and not torch.cuda.is_available():  # deepspeed.compile.util.is_deepcompile_supported
         raise ValueError("deepcompile: DeepSpeed 0.19.8 compiles with DeepCompile on CUDA only (torch >= 2.6 on a cuda "
                          "accelerator); this host has none: set deepcompile=false")
@@ -365,7 +401,7 @@ def _train(cfg, w: store.ArtifactWriter, work: Path, method: str, records: list[
             jobs.launcher_command("rlhf_core.train.entry", [spec_uri], "torchrun", cfg.num_gpus, cfg.num_nodes,
                                   None, cfg.master_port, cfg.master_addr, node_rank="k")))
     try:
-        jobs.run_job(cmd, env=jobs.job_env(cfg.num_gpus), stall_timeout_s=cfg.stall_timeout_s,
+        jobs.run_job(cmd, env=jobs.job_env(jobs.procs_per_node(cfg.num_gpus)), stall_timeout_s=cfg.stall_timeout_s,
                      what=f"{method} training for {w.uri}")
     finally:
         spec_path.unlink(missing_ok=True)

@@ -69,7 +69,7 @@ def _spec_forward(model, spec: dict):
 
 def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: Path, *, bf16: bool = False,
             zero_stage: int = 0, batch_size: int = 16, packing_samples: bool = False, launcher: str = "deepspeed",
-            num_gpus: int = 1, num_nodes: int = 1, hostfile: str | None = None,
+            num_gpus: int | str = 1, num_nodes: int = 1, hostfile: str | None = None,
             attn_implementation: str = "sdpa", max_len: int | None = None) -> tuple[list[float], list[float], float]:
     """(chosen, rejected) summed response log-probs of every record in record order, and the seconds the
     forwards took (model loaded; a job's start and load are left out, as training's train_seconds does).
@@ -97,7 +97,7 @@ def compute(records: list[dict], model_dir: str | Path, pad_id: int, work_dir: P
         (work_dir / "spec.json").write_text(json.dumps(spec))
         cmd = jobs.launcher_command("rlhf_core.train.reference", [str(work_dir / "spec.json")], launcher, num_gpus,
                                     num_nodes, hostfile)
-        jobs.run_job(cmd, env=jobs.job_env(num_gpus * num_nodes))
+        jobs.run_job(cmd, env=jobs.job_env(jobs.procs_per_node(num_gpus) * num_nodes))
         result = json.loads((work_dir / "result.json").read_text())
         shutil.rmtree(work_dir, ignore_errors=True)
         got, seconds = {int(k): v for k, v in result["logps"].items()}, result["seconds"]

@@ -35,7 +35,7 @@ EXPECTED = {
     "train_ppo_ray_slurm.sh": ["ppo"], "train_ppo_with_reward_fn.sh": ["ppo"], "train_prorlv2_math_hybrid_engine.sh": ["ppo"],
     "train_reinforce_baseline_hybrid_engine.sh": ["ppo"], "train_reinforce_baseline_ray_agent_async.sh": ["ppo"],
     "train_rm.sh": ["train_rm"], "train_sft.sh": ["sft"],
-    "train_sft_mixtral_lora.sh": "refused: sft: LoRA with zero_stage 3 is not supported: use zero_stage 2",
+    "train_sft_mixtral_lora.sh": ["sft"],
     "train_vlm_math_hybrid_engine.sh": "refused: is a vision-language run",
     "train_conditional.sh": ["prepare", "score", "filter", "sft"], "train_iterative_dpo.sh": "flow iterative-dpo",
     "train_knowledge_distillation.sh": ["kd"], "train_kto_llama.sh": ["kto"], "train_prm_mistral.sh": ["train_prm"],
@@ -325,8 +325,6 @@ def test_bad_input_and_refusals_are_one_named_error_line(tmp_path, capsys):
     f.write_text("source ./missing.sh slurm\ntorchrun -m ${training_commands}\n")
     _fails(["import-openrlhf", str(f)], capsys, "it runs `source ./missing.sh`, which is not beside it: import that file")
     _fails(["import-openrlhf", str(tmp_path / "nope.sh")], capsys, "nope.sh")
-    _fails(["import-openrlhf", str(COMMANDS / "v0.11.0" / "train_sft_mixtral_lora.sh")], capsys,
-           "LoRA with zero_stage 3 is not supported: use zero_stage 2 (--ds.zero_stage 3, --ds.lora.rank 64)")
     _fails(["import-openrlhf", str(COMMANDS / "v0.10.1" / "train_vlm_math_hybrid_engine.sh")], capsys,
            "(--image_key images, --max_images_per_prompt 1, --freeze_visual_encoder): vision-language models are not supported")
 
@@ -666,16 +664,20 @@ def test_kl_0_with_reference_gpus_and_two_reward_urls():
 
 
 def test_ring_attention_and_autotp_without_a_gpu_count_take_every_gpu_of_the_node():
-    """`deepspeed` without --num_gpus runs on every GPU of the node: named, with the fewest GPUs the command's own
-    ring_attn_size / ds_tensor_parallel_size need; train_ppo_ray's roles get OpenRLHF's 8 GPUs per node (the
-    README's 4 engines x TP 2 on colocated models, no placement flag given)."""
+    """`deepspeed` without --num_gpus (or with --include localhost) runs on every GPU of the node: num_gpus all,
+    which the stage counts at launch (so ring_attn_size / ds_tensor_parallel_size validate at import); train_ppo_ray's
+    roles get OpenRLHF's 8 GPUs per node (the README's 4 engines x TP 2 on colocated models, no placement flag given)."""
     text, d = research("sft_ring_attention.sh")
-    assert (d["sft"]["num_gpus"], d["sft"]["ring_attn_size"]) == (4, 4)
-    assert "deepspeed without --num_gpus starts a rank on every GPU of the node: num_gpus 4 here (the fewest " \
-           "ring_attn_size needs)" in text
+    assert (d["sft"]["num_gpus"], d["sft"]["ring_attn_size"]) == ("all", 4)
+    assert re.search(r"^  num_gpus: all +# \(deepspeed without --num_gpus: every GPU of the node, counted at launch\)$",
+                     text, re.M)
     _, d = inline("deepspeed --module openrlhf.cli.train_sft --pretrain ./b --dataset ./d --ds.tensor_parallel_size 2 "
                   "--train_batch_size 16")
-    assert d["sft"]["num_gpus"] == 2
+    assert d["sft"]["num_gpus"] == "all"
+    _, d = inline("deepspeed --include localhost --module openrlhf.cli.train_sft --pretrain ./b --dataset ./d")
+    assert d["sft"]["num_gpus"] == "all"
+    _, d = inline("deepspeed --module openrlhf.cli.train_dpo --pretrain ./p --dataset ./pairs")
+    assert d["dpo"]["num_gpus"] == d["reference"]["num_gpus"] == "all"
     _, d = inline("python3 -m openrlhf.cli.train_ppo_ray --vllm_num_engines 4 --vllm_tensor_parallel_size 2 "
                   "--colocate_all_models --pretrain ./p --reward_pretrain ./rm --prompt_data ./q")
     p = d["ppo"]
