@@ -27,6 +27,9 @@ from stages import dpo, kto, reference, sft, train_rm
 from tests.stages.test_dpo import pairs_data
 from tests.stages.test_sft import sft_data, weights
 
+pytestmark = pytest.mark.slow  # whole trainings: 505 s for the file with -n0 on the 2 shared cores (load average ~30)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def partitioned():
     """Every tensor partitioned over the ranks, the adapter's too (DeepSpeed keeps a tiny model's whole otherwise)."""
