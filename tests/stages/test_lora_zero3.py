@@ -267,14 +267,15 @@ def test_reward_model_and_kto_zero3_lora(tiny, tmp_path, monkeypatch, method):
 
 # ---------------------------------------------------------------------------------------------- MoE
 def test_mixtral_zero3_lora_as_openrlhfs_script_runs_it(tmp_path, monkeypatch):
-    """The zoo's tiny Mixtral (4 experts, top 2) the way train_sft_mixtral_lora.sh trains Mixtral-8x7B: ZeRO-3,
-    LoRA on every linear layer, packed samples, the router's load-balancing loss (aux_loss_coef 0.001). The adapter
+    """The zoo's tiny Mixtral (4 experts, top 2) the way train_sft_mixtral_lora.sh trains Mixtral-8x7B: ZeRO-3 over
+    2 ranks (transformers' per-expert checkpoint tensors fused as they load into partitions), LoRA on every linear
+    layer, packed samples, the router's load-balancing loss (aux_loss_coef 0.001). The adapter
     trains, the base (experts and router included) stays bit-for-bit, and peft's base + adapter reproduces the
     engine's eval NLL."""
     keep_checkpoints(monkeypatch)
     policy = tiny_mod.build_zoo_model(tmp_path / "mixtral", "mixtral", demo_task.corpus(0))
     cfg = sft.Config(policy_uri=str(policy), dataset_uri=sft_data(tmp_path, 16), eval_dataset=sft_data(tmp_path, 8, seed=1),
-                     output_uri=str(tmp_path / "sft"), packing_samples=True, aux_loss_coef=0.001, save_steps=1, **LORA)
+                     output_uri=str(tmp_path / "sft"), packing_samples=True, aux_loss_coef=0.001, save_steps=1, **SFT)
     m = sft.run(cfg)
     assert m.metrics["steps_done"] == 2 and m.metrics["last_aux_loss"] > 0
     base = loaded(policy)
