@@ -88,7 +88,7 @@ class HFRollout:
         dtype = torch.bfloat16 if bf16 else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
         if lora and lora.get("lora_rank"):
-            from rlhf_core.ppo.roles import lora_wrapped
+            from rlhf_core.ppo.lora import lora_wrapped
 
             self.model = lora_wrapped(self.model, lora).get_base_model()  # the adapters injected, as the learner's
         self.model.to(self.device).eval()

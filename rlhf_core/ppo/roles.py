@@ -126,6 +126,8 @@ class Learner:
                                                                        use_safetensors=True, **model_kwargs(hp, model_dir))
         del zero3
         if self.kind == "policy" and hp.get("lora_rank"):  # LoRA RL: the adapters train, the weights stay frozen
+            from rlhf_core.ppo.lora import lora_wrapped
+
             self.peft = lora_wrapped(model, hp)  # kept to save the adapter; the model trained is its injected base
             model = self.peft.get_base_model()
         return model
@@ -357,18 +359,6 @@ class Learner:
 
     def save_model(self, *args, **kwargs):
         return node_store.save_model(self, *args, **kwargs)
-
-
-def lora_wrapped(model, hp: dict):
-    """`model` with LoRA adapters (peft, OpenRLHF's --lora_rank / --lora_alpha / --lora_dropout / --target_modules:
-    all linear layers but the LM head by default), its own weights frozen: the PeftModel, whose get_base_model() is
-    `model` with the adapters injected into its layers. The learner trains that model (its forwards are the plain
-    causal LM's) and the hf rollout engine wraps its copy the same way, so the weight sync sends the adapter by the
-    same names."""
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=hp["lora_rank"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
-                                            target_modules=hp["target_modules"] or "all-linear", task_type="CAUSAL_LM"))
 
 
 class Reference:
