@@ -21,6 +21,7 @@ from pydantic import Field
 
 from rlhf_core.inputs import data, model_inputs, models
 from rlhf_core import store
+from rlhf_core.runtime import jobs
 from rlhf_core.train import launch
 from rlhf_core.train.launch import TRAIN_RUNTIME, SourceFields, TrainFields, check_hardware, input_manifests, train_and_commit
 from rlhf_core.train.methods import kto
@@ -90,7 +91,7 @@ def run(cfg: Config) -> store.Manifest:
     if cfg.ref_uri and launch.tokenizer_id(models.load_tokenizer(ref_dir, where=cfg.ref_uri)) != launch.tokenizer_id(tok):
         raise ConfigError(f"policy {cfg.policy_uri} and reference {cfg.ref_uri} use different tokenizers: "
                           "their log-probs are not comparable")
-    one_device = cfg.num_gpus * cfg.num_nodes == 1 and cfg.zero_stage != 3
+    one_device = jobs.world_size(cfg.num_gpus, cfg.num_nodes, cfg.hostfile)[0] == 1 and cfg.zero_stage != 3  # "all" too
     w.begin()
     pairs = [{"chosen_ids": r["ids"], "chosen_start": r["start"], "rejected_ids": r["kl_ids"], "rejected_start": r["kl_start"]}
              for r in records + eval_records]  # the reference pass forwards (example, mismatched pair) as (chosen, rejected)
