@@ -221,7 +221,8 @@ def _liger_logprobs(weight, h, targets, scale, cap, T):
     """log p(targets) # (N,) by Liger's fused linear cross-entropy on CUDA (reduction "none", the weight's gradient
     summed in fp32). It computes cross-entropy of softcap' * tanh((h' W^T) / softcap'), so the temperature goes
     into h' = h * scale / T and softcap' = cap / T: (cap / T) tanh((scale h W^T / T) / (cap / T)) =
-    cap tanh(scale h W^T / cap) / T."""
+    cap tanh(scale h W^T / cap) / T. With reduction "none" Liger keeps the weight (a detached view) for its backward:
+    under ZeRO-3 the gathered head weight stays alive from the forward to the backward."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     hs = h * (scale / T) if scale / T != 1.0 else h
