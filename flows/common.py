@@ -387,10 +387,10 @@ def evaluate_and_report(p: LoopParams, report: Report, k: int, policy: str, rewa
         files = store.read_manifest(by_stage["ppo"]["uri"], storage_options=p.storage_options).files
         sampled = sorted(f["path"] for f in files if f["path"].startswith("rollouts/"))
         if sampled:  # the last logged step's rollouts (rollout_samples_per_step), the report's rollouts card
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            with fs.open(store.join(path, sampled[-1])) as f:
-                report.rollouts = pq.read_table(f).to_pylist()
+            report.rollouts = pq.ParquetFile(pa.BufferReader(fs.cat_file(store.join(path, sampled[-1])))).read().to_pylist()
     for name in ("dpo", "kto", "sft", "kd"):
         if name in by_stage:
             tm = by_stage[name]["metrics"]

@@ -9,7 +9,6 @@ hub.py), whose lineage carries the commit sha they were read at. Several sources
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import random
@@ -163,11 +162,11 @@ def read_rows(uri: str, storage_options: dict | None = None, split: str = "train
     with fs.open(path, "rb") as f:
         raw = f.read()
     if path.endswith(".parquet"):
-        return pq.read_table(io.BytesIO(raw)).to_pylist()
+        return pq.ParquetFile(pa.BufferReader(raw)).read().to_pylist()
     if path.endswith(".csv"):
         import pyarrow.csv as pcsv
 
-        return pcsv.read_csv(io.BytesIO(raw)).to_pylist()
+        return pcsv.read_csv(pa.BufferReader(raw)).to_pylist()
     text = raw.decode("utf-8")
     if path.endswith(".jsonl") or (not path.endswith(".json") and text.lstrip()[:1] == "{"):
         rows = []

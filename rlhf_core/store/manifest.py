@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import hashlib
-import io
 import json
 import logging
 import os
@@ -188,8 +187,11 @@ def read_table(uri: str, stage: str | tuple[str, ...] | None = None, storage_opt
     """All parquet files of a committed dataset artifact, concatenated."""
     m = read_manifest(uri, stage, storage_options)
     tables = []
-    for f in table_files(m):  # one GET per file: parquet's footer-then-columns range reads cost a round trip each
-        tables.append(pq.read_table(io.BytesIO(cat_file(m, f, storage_options)), columns=columns))
+    # one GET per file (parquet's footer-then-columns range reads cost a round trip each), read by ParquetFile: pq.read_table's
+    # dataset scanner drops its last reference to the Python buffer on an Arrow thread, after the call returned; at the
+    # interpreter's exit that thread cannot take the GIL and the process aborts (terminate called without an active exception)
+    for f in table_files(m):
+        tables.append(pq.ParquetFile(pa.BufferReader(cat_file(m, f, storage_options))).read(columns=columns))
     if not tables:
         raise ArtifactError(f"{uri} holds no parquet file")
     return pa.concat_tables(tables)
