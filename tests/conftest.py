@@ -343,16 +343,41 @@ def _ray_per_test(request):
 # module fixtures are built once) except in the files of SPLIT, whose tests share only run-wide fixtures: each of their
 # tests is a group of its own. The order comes from pytest's slowest-tests table (--durations, docs/testing.md): a
 # file missing here runs after these, in collection order.
-LONGEST_FIRST = [
-    "flows/test_loops.py::demo",  # the first to ask for the demo run builds it
-    "stages/test_ppo.py", "flows/test_loops.py::test_conditional_sft_learns_to_follow_its_condition_on_s3",
-    "flows/test_deployment.py", "stages/test_model_zoo.py", "flows/test_resume.py", "flows/test_ppo_flow.py",
-    "flows/test_pools.py", "flows/test_configs.py", "flows/test_loops.py::test_raft_with_a_process_reward_model_raises_gold_reward",
-    "flows/test_watch.py", "flows/test_promotion.py", "stages/test_pipeline_generate_score_filter.py",
-    "stages/test_sft.py", "rlhf_core/ppo/test_fake_cluster.py", "stages/test_multinode.py", "stages/test_dpo.py",
-    "rlhf_core/ppo/test_weight_sync.py", "rlhf_core/train/test_scale.py", "stages/test_train_rm.py",
-    "stages/test_ray_jobs.py", "flows/test_loops.py", "test_slurm.py", "stages/test_kto.py", "stages/test_train_prm.py",
-    "stages/test_train_eval.py", "flows/test_cli.py",
+LONGEST_FIRST = [  # seconds per group in a 2-worker run on 2 cores, 2026-11-28 (`--durations=0`)
+    "flows/test_loops.py::demo",  # 195 (the demo run's 150): the first to ask for the demo run builds it
+    "stages/test_ppo.py",  # 417
+    "flows/test_deployment.py",  # 340
+    "stages/test_model_zoo.py",  # 279
+    "test_gpu_scripts.py",  # 222
+    "flows/test_pools.py",  # 161
+    "flows/test_ppo_flow.py",  # 146
+    "flows/test_configs.py",  # 136
+    "stages/test_lora_zero3.py",  # 129
+    "flows/test_resume.py",  # 118
+    "rlhf_core/ppo/test_hybrid_moments.py",  # 191 before its two-steps and resume runs became one
+    "flows/test_promotion.py",  # 97
+    "flows/test_loops.py::test_conditional_sft_learns_to_follow_its_condition_on_s3",  # 95
+    "flows/test_watch.py",  # 84
+    "rlhf_core/runtime/test_niceness.py",  # 83
+    "stages/test_sft.py",  # 81
+    "rlhf_core/train/test_scale.py",  # 77
+    "rlhf_core/ppo/test_weight_sync.py",  # 68
+    "stages/test_pipeline_generate_score_filter.py",  # 64
+    "flows/test_loops.py::test_raft_with_a_process_reward_model_raises_gold_reward",  # 56
+    "flows/test_loops.py::test_raft_raises_gold_reward_on_s3",  # 52
+    "flows/test_import_openrlhf.py",  # 51
+    "stages/test_multinode.py",  # 50
+    "rlhf_core/ppo/test_fake_cluster.py",  # 48
+    "stages/test_ray_jobs.py",  # 47
+    "rlhf_core/ppo/test_learner_step.py",  # 46
+    "stages/test_ppo_lora.py",  # 45
+    "stages/test_dpo.py",  # 44
+    "stages/test_kto.py", "test_slurm.py", "stages/test_ppo_eval.py",  # 34, 34, 33
+    "flows/test_loops.py::test_iterative_loop_with_kto_raises_gold_reward_on_s3",  # 32
+    "stages/test_train_eval.py", "test_packaging.py", "stages/test_ppo_distill.py", "flows/test_credentials.py",  # 26-31
+    "flows/test_loops.py::test_raft_with_trainer_kd_distills_from_the_teacher_each_iteration",  # 26
+    "stages/test_hub_stages.py", "rlhf_core/store/test_versions_kept.py", "rlhf_core/rollout/test_engine_faults.py",
+    "flows/test_loops.py",
 ]
 SPLIT = {"test_loops.py"}
 # ... but the tests of the demo run's own stages stay one group, in their file's order: the last two rerun the run.

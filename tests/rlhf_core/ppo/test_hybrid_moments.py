@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -123,17 +124,39 @@ def check(timeline: list[dict], want: list[tuple]) -> None:
     assert not over, f"moments over the table's peak {peak}: {over}"
 
 
-def test_two_steps_of_the_colocated_hybrid_engine_hold_what_a_gpu_would(fake_cluster, tiny, tmp_path):
-    """Setup in OpenRLHF's order (engines loaded and asleep before anything else loads beside them), then per step
-    releases before acquires: entering train the engine's sleep has returned before the learner reloads; entering
-    sync the learner's offload has returned before the engine's weights wake."""
-    cfg = config(tiny, tmp_path, fake_cluster)
-    m = ppo.run(cfg)
-    assert m.metrics["steps_done"] == 2
-    timeline = json.loads((tmp_path / "out" / "memory_timeline.json").read_text())
+def test_two_steps_then_a_resume_of_the_colocated_hybrid_engine_hold_what_a_gpu_would(fake_cluster, tiny, tmp_path):
+    """Two steps: setup in OpenRLHF's order (engines loaded and asleep before anything else loads beside them), then
+    per step releases before acquires: entering train the engine's sleep has returned before the learner reloads;
+    entering sync the learner's offload has returned before the engine's weights wake.
+
+    Then a resume. The run is checkpointed after step 2 (its learners asleep: the checkpoint carries DeepSpeed's
+    offload buffers) and fails in step 3's rollout; the rerun resumes: the checkpoint loads into awake learners while
+    the engines sleep, the learners go to sleep before the engines wake for the restored weights, and in every
+    generate and sync after it the learners hold their weights only (the offload made new host buffers instead of
+    reusing the loaded ones). One run of each, the failed run's moments read from its work folder (a failed run
+    writes them too)."""
+    from rlhf_core import store
+
+    fail = tmp_path / "fail_after_a_checkpoint.py"
+    fail.write_text(  # the demo's reward, failing once a checkpoint is committed while the run is armed
+        "from pathlib import Path\n"
+        "from rlhf_core.demo.demo_task import reward_func as gold\n"
+        f"OUT, ARMED = Path({str(tmp_path / 'out')!r}), Path({str(tmp_path / 'armed')!r})\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    if ARMED.exists() and list(OUT.glob('checkpoints/*/*.json')):\n"
+        "        raise RuntimeError('the node went away in step 3')\n"
+        "    return gold(queries, prompts, labels)\n")
+    (tmp_path / "armed").write_text("")
+    cfg = config(tiny, tmp_path, fake_cluster, reward_func_path=str(fail), save_steps=2, rollout_batch_size=2,
+                 train_batch_size=4, micro_train_batch_size=2)  # 4 steps of 2 prompts, one update each
+    began = time.time()
+    with pytest.raises(Exception, match="the node went away in step 3"):
+        ppo.run(cfg)
+    written = [p for p in (store.cache_root() / "ppo").glob("*/memory_timeline.json") if p.stat().st_mtime >= began]
+    assert len(written) == 1, written
     W, Pz = sizes(tiny)
     asleep, awake1, awake, R = Pz, 3 * Pz + B, 5 * Pz + B, Pz
-    check(timeline, [
+    check(json.loads(written[0].read_text()), [
         ("setting up (rollout engines: loading and profiling)", W),
         ("setting up (rollout engines: going to sleep)", W),
         ("setting up", awake1 + R),
@@ -158,32 +181,10 @@ def test_two_steps_of_the_colocated_hybrid_engine_hold_what_a_gpu_would(fake_clu
         ("entering sync", W + asleep + R),
     ])
 
-
-def test_a_resume_loads_beside_sleeping_engines_and_the_moments_leave_the_gpu(fake_cluster, tiny, tmp_path):
-    """A run checkpointed after step 2 (its learners asleep: the checkpoint carries DeepSpeed's offload buffers) fails
-    in step 3's rollout; the rerun resumes: the checkpoint loads into awake learners while the engines sleep, the
-    learners go to sleep before the engines wake for the restored weights, and in every generate and sync after it
-    the learners hold their weights only (the offload made new host buffers instead of reusing the loaded ones)."""
-    fail = tmp_path / "fail_after_a_checkpoint.py"
-    fail.write_text(  # the demo's reward, failing once a checkpoint is committed while the run is armed
-        "from pathlib import Path\n"
-        "from rlhf_core.demo.demo_task import reward_func as gold\n"
-        f"OUT, ARMED = Path({str(tmp_path / 'out')!r}), Path({str(tmp_path / 'armed')!r})\n"
-        "def reward_func(queries, prompts, labels):\n"
-        "    if ARMED.exists() and list(OUT.glob('checkpoints/*/*.json')):\n"
-        "        raise RuntimeError('the node went away in step 3')\n"
-        "    return gold(queries, prompts, labels)\n")
-    (tmp_path / "armed").write_text("")
-    cfg = config(tiny, tmp_path, fake_cluster, reward_func_path=str(fail), save_steps=2, rollout_batch_size=2,
-                 train_batch_size=4, micro_train_batch_size=2)  # 4 steps of 2 prompts
-    with pytest.raises(Exception, match="the node went away in step 3"):
-        ppo.run(cfg)
     (tmp_path / "armed").unlink()
     m = ppo.run(cfg)
     assert m.metrics["resumed_from_step"] == 2 and m.metrics["steps_done"] == 4
     timeline = json.loads((tmp_path / "out" / "memory_timeline.json").read_text())
-    W, Pz = sizes(tiny)
-    asleep, awake1, awake, R = Pz, 3 * Pz + B, 5 * Pz + B, Pz
     check(timeline, [
         ("setting up (rollout engines: going to sleep)", W),
         ("setting up", awake1 + R),
