@@ -120,9 +120,17 @@ def launcher_command(module: str, args: list[str], launcher: str = "deepspeed", 
     raise ValueError(f"unknown launcher {launcher!r} (deepspeed, torchrun or python)")
 
 
+# torch.distributed's rendezvous variables: the launcher sets them for each rank it starts (the one-process entry, to
+# rank 0 of 1 on a free port). A parent that is itself a rank, or ran torch.distributed in its own process (a notebook,
+# a test), would hand its own to the job: a port its process group still listens on (EADDRINUSE), its rank and size.
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
 def job_env(num_procs: int, extra: dict | None = None) -> dict:
-    """Environment for the child: one OpenMP thread per rank when ranks share the cores."""
-    env = dict(os.environ)
+    """Environment for the child: this process's without its rendezvous variables (RENDEZVOUS_ENV); one OpenMP thread
+    per rank when ranks share the cores."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
     if num_procs > 1 and "OMP_NUM_THREADS" not in (extra or {}):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_procs))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -75,3 +75,38 @@ def test_a_silent_job_is_killed_and_named_after_the_stall_timeout(tmp_path):
                                               r": killed \(stall_timeout_s\); last lines:\nstep 1/9"):
         jobs.run_job([sys.executable, "-c", code], stall_timeout_s=2, what="sft training for s3://b/x")
     assert time.time() - t0 < 50 and not _alive(int(pidfile.read_text()))
+
+
+def test_a_job_started_by_a_rank_or_beside_a_process_group_rendezvous_on_its_own(tiny, tmp_path, monkeypatch):
+    """A process that is itself a rank, or that ran torch.distributed in-process (a notebook, a test), has
+    MASTER_PORT / RANK / WORLD_SIZE in its environment and may still listen on that port: a one-process trainer job it
+    starts rendezvous on a port of its own as rank 0 of 1 (it inherited them before: as rank 0, EADDRINUSE; as
+    rank 3 of 8, waiting for peers that never come until the stall timeout killed it)."""
+    import socket
+
+    import pyarrow  # noqa: F401  (the data below)
+
+    from rlhf_core import store
+    from rlhf_core.demo import demo_task
+    from rlhf_core.inputs import data
+    from stages import sft
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()  # what a live TCPStore of this process does on its MASTER_PORT
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        for k, v in (("RANK", "3"), ("LOCAL_RANK", "3"), ("WORLD_SIZE", "8")):
+            monkeypatch.setenv(k, v)
+        assert not set(jobs.RENDEZVOUS_ENV) & set(jobs.job_env(1))
+        w = store.ArtifactWriter(str(tmp_path / "rows"), "data", {"n": 8})
+        w.begin()
+        w.write_table("rows.parquet", data.to_table(demo_task.sft_rows(8, 0), "sft"))
+        w.commit()
+        m = sft.run(sft.Config(policy_uri=tiny.policy_uri, dataset_uri=str(tmp_path / "rows"), output_uri=str(tmp_path / "sft"),
+                               input_template=demo_task.INPUT_TEMPLATE, max_epochs=1, train_batch_size=8,
+                               micro_train_batch_size=8, max_len=32, stall_timeout_s=120))  # rank 3 of 8 waits for peers
+        assert m.metrics["steps_done"] == 1
+    finally:
+        held.close()
