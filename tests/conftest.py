@@ -439,6 +439,20 @@ def zoo(tmp_path_factory):
             for arch in tiny_mod.ZOO}
 
 
+def reward_failing_after_a_checkpoint(path: Path, out: Path, armed: Path) -> Path:
+    """A ppo reward_func file at `path`: the demo's gold reward, raising "the node went away in step 3" once a checkpoint
+    is committed under `out` while the file `armed` exists (a run that dies after its checkpoint, then resumes)."""
+    path.write_text(
+        "from pathlib import Path\n"
+        "from rlhf_core.demo.demo_task import reward_func as gold\n"
+        f"OUT, ARMED = Path({str(out)!r}), Path({str(armed)!r})\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    if ARMED.exists() and list(OUT.glob('checkpoints/*/*.json')):\n"
+        "        raise RuntimeError('the node went away in step 3')\n"
+        "    return gold(queries, prompts, labels)\n")
+    return path
+
+
 def upload_folder(local: Path, uri: str) -> str:
     """Copy a local folder to an fsspec URI as plain files (what `aws s3 sync` of a downloaded model gives)."""
     from rlhf_core import store

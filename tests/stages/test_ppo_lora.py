@@ -15,6 +15,7 @@ from rlhf_core import store
 from rlhf_core.demo import demo_task
 from rlhf_core.inputs import model_inputs, models
 from stages import ppo
+from tests.conftest import reward_failing_after_a_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +35,7 @@ def test_a_lora_run_syncs_and_saves_the_adapter_alone_and_resumes_from_an_adapte
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in demo_task.prompts(16, 0)))
     out = tmp_path / "out"
-    fail = tmp_path / "fail_in_step_3.py"
-    fail.write_text(  # the demo's reward, failing once a checkpoint is committed while the run is armed
-        "from pathlib import Path\n"
-        "from rlhf_core.demo.demo_task import reward_func as gold\n"
-        f"OUT, ARMED = Path({str(out)!r}), Path({str(tmp_path / 'armed')!r})\n"
-        "def reward_func(queries, prompts, labels):\n"
-        "    if ARMED.exists() and list(OUT.glob('checkpoints/*/*.json')):\n"
-        "        raise RuntimeError('the node went away in step 3')\n"
-        "    return gold(queries, prompts, labels)\n")
+    fail = reward_failing_after_a_checkpoint(tmp_path / "fail_in_step_3.py", out, tmp_path / "armed")
     cfg = ppo.Config(policy_uri=tiny.policy_uri, prompts_uri=str(prompts), output_uri=str(out), reward_func_path=str(fail),
                      input_template=demo_task.INPUT_TEMPLATE, generate_max_len=6, advantage_estimator="group_norm",
                      n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=8, micro_train_batch_size=8,

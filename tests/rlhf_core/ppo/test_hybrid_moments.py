@@ -33,6 +33,7 @@ import pytest
 
 from rlhf_core.demo import demo_task
 from stages import ppo
+from tests.conftest import reward_failing_after_a_checkpoint
 from tests.rlhf_core.ppo.test_fake_cluster import fake_cluster  # noqa: F401  (a local Ray advertising 4 GPUs)
 
 pytestmark = pytest.mark.slow
@@ -137,15 +138,7 @@ def test_two_steps_then_a_resume_of_the_colocated_hybrid_engine_hold_what_a_gpu_
     writes them too)."""
     from rlhf_core import store
 
-    fail = tmp_path / "fail_after_a_checkpoint.py"
-    fail.write_text(  # the demo's reward, failing once a checkpoint is committed while the run is armed
-        "from pathlib import Path\n"
-        "from rlhf_core.demo.demo_task import reward_func as gold\n"
-        f"OUT, ARMED = Path({str(tmp_path / 'out')!r}), Path({str(tmp_path / 'armed')!r})\n"
-        "def reward_func(queries, prompts, labels):\n"
-        "    if ARMED.exists() and list(OUT.glob('checkpoints/*/*.json')):\n"
-        "        raise RuntimeError('the node went away in step 3')\n"
-        "    return gold(queries, prompts, labels)\n")
+    fail = reward_failing_after_a_checkpoint(tmp_path / "fail_after_a_checkpoint.py", tmp_path / "out", tmp_path / "armed")
     (tmp_path / "armed").write_text("")
     cfg = config(tiny, tmp_path, fake_cluster, reward_func_path=str(fail), save_steps=2, rollout_batch_size=2,
                  train_batch_size=4, micro_train_batch_size=2)  # 4 steps of 2 prompts, one update each
