@@ -439,6 +439,19 @@ def zoo(tmp_path_factory):
             for arch in tiny_mod.ZOO}
 
 
+def kill_training_jobs() -> list[int]:
+    """SIGKILL every trainer job this process launched (each launcher in its own session: its whole group, the
+    ranks with it); the launchers' pids."""
+    import psutil
+
+    killed = []
+    for child in psutil.Process().children():
+        if "rlhf_core.train.entry" in " ".join(child.cmdline()):
+            os.killpg(child.pid, signal.SIGKILL)
+            killed.append(child.pid)
+    return killed
+
+
 def reward_failing_after_a_checkpoint(path: Path, out: Path, armed: Path) -> Path:
     """A ppo reward_func file at `path`: the demo's gold reward, raising "the node went away in step 3" once a checkpoint
     is committed under `out` while the file `armed` exists (a run that dies after its checkpoint, then resumes)."""

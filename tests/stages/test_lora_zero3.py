@@ -6,9 +6,7 @@ partitions, frozen base included), and, for sft, dpo and the MoE, that the saved
 the base gives the log-probs the trained engine gave on the eval batch (the job's eval figures after its last
 step). rm and kto: the same but for the log-probs; the merged model at the root is peft's merge."""
 import json
-import os
 import re
-import signal
 import threading
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from rlhf_core.runtime import faults
 from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import batches, checkpoints, entry
 from stages import dpo, kto, reference, sft, train_rm
+from tests.conftest import kill_training_jobs
 from tests.stages.test_dpo import pairs_data
 from tests.stages.test_sft import sft_data, weights
 
@@ -163,8 +162,6 @@ def test_sft_zero3_lora_resumed_after_a_kill_ends_with_the_uninterrupted_adapter
     committed: the checkpoint holds the base bit-for-bit (frozen) and a trained adapter; the rerun resumes from it
     and ends with the adapter the uninterrupted run (the fixture's) saved. The HF folder written with each
     checkpoint (adapter and merged model) leaves the training model as it was."""
-    import psutil
-
     cfg, straight = sft_z3
     out = tmp_path / "resumed"
     cfg = cfg.model_copy(update={"output_uri": str(out), "save_steps": 1, "save_hf_ckpt": True})
@@ -174,10 +171,7 @@ def test_sft_zero3_lora_resumed_after_a_kill_ends_with_the_uninterrupted_adapter
         deadline = time.time() + 600
         while time.time() < deadline and not list(out.glob(f"checkpoints/*/{checkpoints.MARKER}")):
             time.sleep(0.2)
-        for child in psutil.Process().children():  # the launcher we started, in its own session
-            if "rlhf_core.train.entry" in " ".join(child.cmdline()):
-                os.killpg(child.pid, signal.SIGKILL)
-                killed.append(child.pid)
+        killed.extend(kill_training_jobs())
 
     th = threading.Thread(target=killer, daemon=True)
     th.start()

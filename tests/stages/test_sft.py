@@ -1,7 +1,6 @@
 """sft as a real DeepSpeed job (ZeRO-2, one CPU process, started directly), packing, LoRA, and the SIGKILL resume."""
 import json
 import os
-import signal
 import threading
 import time
 
@@ -18,7 +17,7 @@ from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import checkpoints, launch
 from rlhf_core.train.launch import TrainingIncomplete  # noqa: F401  (part of the contract)
 from stages import sft
-from tests.conftest import tb_scalars
+from tests.conftest import kill_training_jobs, tb_scalars
 
 FAST = dict(input_template=demo_task.INPUT_TEMPLATE, learning_rate=1e-3, train_batch_size=8, micro_train_batch_size=4,
             max_len=48, lr_warmup_ratio=0.0)
@@ -118,8 +117,6 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path, mon
     (within float tolerance) as the same job run without interruption. With max_ckpt_num 2 the store keeps the two
     newest checkpoints; save_hf_ckpt puts an HF folder per checkpoint in the artifact, the killed run's included
     (issue 37: OpenRLHF's --max_ckpt_num / --save_hf_ckpt)."""
-    import psutil
-
     data_uri = sft_data(s3_root, 64)
     out = f"{s3_root}/sft-resume"
     cfg = sft.Config(policy_uri=tiny.policy_uri, dataset_uri=data_uri, output_uri=out, save_steps=2,
@@ -134,10 +131,7 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path, mon
         while time.time() < deadline and len(live.get("sft/loss", ())) < 7:  # TensorBoard events while the job runs
             live.update(tb_scalars(store.cache_root() / "jobs" / _fp(cfg) / "tracking"))
             time.sleep(0.2)
-        for child in psutil.Process().children():  # the launcher we started, in its own session
-            if "rlhf_core.train.entry" in " ".join(child.cmdline()):
-                os.killpg(child.pid, signal.SIGKILL)
-                killed.append(child.pid)
+        killed.extend(kill_training_jobs())
 
     th = threading.Thread(target=killer, daemon=True)
     th.start()
