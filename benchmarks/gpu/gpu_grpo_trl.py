@@ -40,15 +40,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[2]))  # rlhf_core from this checkout (not installed there)
 sys.path.insert(0, str(HERE.parent))
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_grpo_trl.json").write_text(json.dumps(RECORDS, indent=1))
+emit = emitter("gpu_grpo_trl.json")  # benchmarks/gpu/records.py
 
 
 def build(work: Path, a, cuda: bool) -> dict:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -41,20 +40,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout (not installed there)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
 from gpu_roles import H100_BF16_DENSE, QWEN2_0_5B, QWEN2_1_5B, SMALL, learner_hp, qwen2  # noqa: E402
 
 SHAPES = {"0.5b": QWEN2_0_5B, "1.5b": QWEN2_1_5B, "small": SMALL}
 VARIANTS = ("bare", "bare_bf16", "learner_z2", "learner_z3", "learner_z0", "learner_z2_scan")
 DEFAULT_PLAN = "0.5b:64:bare,learner_z2,learner_z2_scan;0.5b:16:bare,learner_z2;0.5b:64:bare_bf16,learner_z3,learner_z0"
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_learner.json").write_text(json.dumps(RECORDS, indent=1))
+emit = emitter("gpu_learner.json")  # benchmarks/gpu/records.py
 
 
 def parse_plan(text: str) -> list[tuple[str, int, list[str]]]:

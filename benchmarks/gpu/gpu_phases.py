@@ -34,16 +34,10 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
-RECORDS: list[dict] = []
+emit = emitter("gpu_phases.json")  # benchmarks/gpu/records.py
 GB = 2 ** 30
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_phases.json").write_text(json.dumps(RECORDS, indent=1))
 
 
 def ipc_leak(mb: int = 256, rounds: int = 8) -> None:

@@ -29,18 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core and stages from this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
 from gpu_roles import QWEN2_0_5B, SMALL, qwen2, random_model  # noqa: E402
 
-RECORDS: list[dict] = []
+emit = emitter("gpu_ray.json")  # benchmarks/gpu/records.py
 PARTS = ("rollout_s", "train_s", "weight_sync_s", "step_s")
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_ray.json").write_text(json.dumps(RECORDS, indent=1))
 
 
 def config(args, work: Path, zero_stage: int, cuda: bool):

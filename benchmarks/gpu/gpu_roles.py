@@ -29,7 +29,6 @@ One JSON line per measurement on stdout; with OUT set, also $OUT/gpu_roles.json 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,20 +38,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout (not installed there)
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
 QWEN2_0_5B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)
 QWEN2_1_5B = dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936)
 SMALL = dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=512)  # vocab >= the tokenizer's 400
 H100_BF16_DENSE = 989e12
 
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_roles.json").write_text(json.dumps(RECORDS, indent=1))
+emit = emitter("gpu_roles.json")  # benchmarks/gpu/records.py
 
 
 def qwen2(shape: dict, tok=None):

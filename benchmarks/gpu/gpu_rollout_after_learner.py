@@ -46,20 +46,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout (not installed there)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
 from gpu_learner import make_batch  # noqa: E402
 from gpu_roles import QWEN2_0_5B, SMALL, learner_hp, qwen2, random_model  # noqa: E402
 
 CONDITIONS = ("alone", "after_m16", "after_m64")
 VARIANTS = ("as_is", "release", "gc", "idle")
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_rollout.json").write_text(json.dumps(RECORDS, indent=1))
+emit = emitter("gpu_rollout.json")  # benchmarks/gpu/records.py
 
 
 def sm_clock() -> int | None:

@@ -38,19 +38,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[2]))  # rlhf_core and stages from this checkout (not installed there)
 sys.path.insert(0, str(HERE.parent))
+from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
 STAGES = ("sft", "train_rm", "dpo", "kto", "kd", "train_prm", "sft_liger")
 TRL = {"dpo": ("DPOConfig", "DPOTrainer", {"precompute_ref_log_probs": True, "gradient_checkpointing": False}),
        "sft": ("SFTConfig", "SFTTrainer", {"packing": True, "gradient_checkpointing": False}),
        "kto": ("KTOConfig", "KTOTrainer", {"precompute_ref_log_probs": True, "gradient_checkpointing": False})}
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> None:
-    RECORDS.append(rec)
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_trainers.json").write_text(json.dumps(RECORDS, indent=1))
+emit = emitter("gpu_trainers.json")  # benchmarks/gpu/records.py
 
 
 class GPUMemory:
