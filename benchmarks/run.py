@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 GROUPS = ("peers", "parts", "gpu", "store", "orchestration")
-SHARED = {"trl_peer"}  # a module the scripts of its group import, not a benchmark
+SHARED = {"trl_peer", "records"}  # modules the scripts of their group import, not benchmarks
 
 
 def scripts(group: str) -> list[Path]:
