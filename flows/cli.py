@@ -390,21 +390,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def api_server_dies_with_us() -> None:
     """Prefect's ephemeral API server (uvicorn, ~200 MB) is a plain child of the process that started it: a
     SIGKILLed CLI (an OOM kill, a supervisor) left it alive holding its port. Start it with PR_SET_PDEATHSIG,
-    as training jobs are, by giving Prefect's server module a Popen that sets it."""
+    as training jobs are (jobs.dies_with_parent), by giving Prefect's server module a Popen that wraps its command."""
     import subprocess
     import types
 
     from prefect.server.api import server
 
-    from rlhf_core.runtime.jobs import _die_with_parent
+    from rlhf_core.runtime.jobs import dies_with_parent
 
     if getattr(server.subprocess, "dies_with_parent", False):
         return
 
     class Popen(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("preexec_fn", _die_with_parent)
-            super().__init__(*args, **kwargs)
+        def __init__(self, args, *rest, **kwargs):
+            if isinstance(args, (list, tuple)) and not kwargs.get("shell"):
+                args = dies_with_parent([str(a) for a in args])
+            super().__init__(args, *rest, **kwargs)
 
     shim = types.ModuleType("subprocess")
     shim.__dict__.update(vars(subprocess), Popen=Popen, dies_with_parent=True)

@@ -12,7 +12,6 @@ the tests of its own stages, and the tests elsewhere read only its inputs, SFT p
 """
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
@@ -54,9 +53,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent():
-    """preexec_fn: the child gets SIGTERM when the process that started it dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+def dies_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGTERM when the process that started it dies (jobs.dies_with_parent: no
+    preexec_fn, which would make Popen fork() the whole pytest worker)."""
+    from rlhf_core.runtime.jobs import dies_with_parent as wrapped
+
+    return wrapped(cmd)
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
@@ -89,8 +91,8 @@ RUN_MOTO_ENV = "RLHF_TEST_RUN_MOTO"  # "port pid" of the controller's moto_serve
 
 def start_moto() -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dies_with_parent([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, proc, "moto_server")
     return proc, port
 
@@ -251,13 +253,14 @@ def prefect_server(tmp_path_factory):
         return out.stdout if check else out
 
     def worker(pool: str, name: str, log: Path, cwd: Path | None = None, extra_env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen([str(bindir / "prefect"), "worker", "start", "--pool", pool, "--name", name, "--limit", "1"],
+        return subprocess.Popen(dies_with_parent([str(bindir / "prefect"), "worker", "start", "--pool", pool, "--name", name,
+                                                 "--limit", "1"]),
                                 env={**env, **(extra_env or {})}, cwd=cwd or log.parent, stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
-    proc = subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT,
-                            preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dies_with_parent([str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                             str(port)]),
+                            env=env, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT)
     try:
         wait_for_port(port, proc, "prefect server", timeout=180)
         yield SimpleNamespace(port=port, api=f"http://127.0.0.1:{port}/api", env=env, prefect=prefect, worker=worker,

@@ -248,12 +248,12 @@ def use_hub(hub: HubStub | None, monkeypatch, home: Path, offline: bool = False,
 def hub_stub(tmp_path_factory, tiny):
     """The hub stand-in, serving the session's tiny models as `tiny-org/policy` (and gated: `tiny-org/gated-policy`,
     token GATED_TOKEN) and a small dataset `tiny-org/sft-data` (parquet train / test splits, HF's data/ layout)."""
-    from tests.conftest import die_with_parent, free_port, stop, wait_for_port
+    from tests.conftest import dies_with_parent, free_port, stop, wait_for_port
 
     root = tmp_path_factory.mktemp("hubstub")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, str(root), str(port)], stdout=subprocess.DEVNULL,
-                            stderr=open(root / "server.err", "w"), preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dies_with_parent([sys.executable, __file__, str(root), str(port)]), stdout=subprocess.DEVNULL,
+                            stderr=open(root / "server.err", "w"))
     try:
         wait_for_port(port, proc, "hub stand-in")
         hub = HubStub(root, f"http://127.0.0.1:{port}", proc.pid)

@@ -18,7 +18,7 @@ import pytest
 from rlhf_core.demo import demo_task
 from rlhf_core import store
 from stages import generate
-from tests.conftest import die_with_parent, free_port, upload_folder
+from tests.conftest import dies_with_parent, free_port, upload_folder
 from tests.stages.test_ray_jobs import VENV_BIN, fixed_ports, session_pids, stop_session
 
 pytestmark = pytest.mark.slow
@@ -51,8 +51,8 @@ def test_the_sbatch_script_runs_a_stage_on_its_ray_nodes_without_slurm(tiny, s3_
                RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
     cmd = ["bash", str(SCRIPT), "rlhf-flows", "stage", "score", f"samples_uri={samples}", f"reward_model_uri={reward}",
            f"output_uri={out}", "num_engines=2"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dies_with_parent(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=400)
         assert proc.returncode == 0, log[-4000:]

@@ -145,8 +145,8 @@ def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tai
     Raises JobFailed on a non-zero exit, JobStalled (naming `what`) after `stall_timeout_s` without an
     output line; kills the child's process group on any exception here."""
     log.info("launching: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, env=env, cwd=cwd, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True, env=env, cwd=cwd)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
@@ -179,16 +179,24 @@ def _pump(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the parent dies. A SIGKILLed flow process cannot run its except-branch,
-    and the launcher lives in its own session; this stops it training on as an orphan (DeepSpeed's launcher
-    passes SIGTERM on to its ranks)."""
-    import ctypes
+# Run before the command, in the child's own process: SIGTERM when the process that started it dies
+# (PR_SET_PDEATHSIG = 1, kept across the exec), and an exit if that process is already gone; then the command itself.
+_GUARD = ("import ctypes, os, signal, sys\n"
+          "try:\n    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+          "except (OSError, AttributeError):\n    pass\n"  # not Linux: no death signal
+          "if os.getppid() != int(sys.argv[1]):\n    sys.exit('rlhf-flows: the process that started this one is gone')\n"
+          "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        pass
+
+def dies_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGTERM when this process dies: a SIGKILLed flow process cannot run its
+    except-branch, and the launcher lives in its own session; this stops it training on as an orphan (DeepSpeed's
+    launcher passes SIGTERM on to its ranks). A small stdlib-only Python (-S, no site) sets the signal, then execs the
+    command in the same process. Not a preexec_fn: Popen then has to fork() this whole process (a flow or a pytest
+    worker of several GB) instead of vfork()ing, and a fork can fail with ENOMEM on a busy host (CI did, 2026-11-28:
+    "OSError: [Errno 12] Cannot allocate memory" launching trainer jobs late in the suite); preexec_fn is also
+    unsafe with threads running, which Prefect's and Ray's are."""
+    return [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *cmd]
 
 
 def kill_group(proc: subprocess.Popen) -> None:

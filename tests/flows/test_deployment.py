@@ -34,7 +34,7 @@ from rlhf_core import store
 from rlhf_core.runtime import faults
 from rlhf_core.demo import demo_task
 from rlhf_core.store import versions
-from tests.conftest import die_with_parent
+from tests.conftest import dies_with_parent
 from tests.flows.flowkit import alive_marked, kill_marked, manifests
 from tests.flows.test_cli import PREFECT_PAGES, prefect_documented
 
@@ -67,9 +67,9 @@ class Pages:
             line = line.rstrip("& ")
             if line not in self.background:
                 log = self.logs / f"bg-{len(self.background)}.log"
-                self.background[line] = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=self.project, env=self.env,
-                                                         stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                                         preexec_fn=die_with_parent, start_new_session=True)
+                self.background[line] = subprocess.Popen(dies_with_parent(["bash", "-c", f"exec {line}"]), cwd=self.project,
+                                                         env=self.env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                                         start_new_session=True)
                 self.background[line].log = log
             self.out[cmd] = f"started in the background: {line}"
         else:

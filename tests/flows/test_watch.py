@@ -18,7 +18,7 @@ import yaml
 
 from flows import watch
 from rlhf_core import store
-from tests.conftest import die_with_parent
+from tests.conftest import dies_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP = httpx.Client(timeout=60)  # the server answers slowly on a loaded machine
@@ -153,9 +153,8 @@ def test_a_landed_prompt_file_starts_the_triggered_loop_which_reads_it(demo_run,
         # moved away) is said and retried, and the watch goes on without announcing a file twice
         land, away = tmp_path / "land", tmp_path / "away"
         land.mkdir()
-        poll = subprocess.Popen([str(prefect_server.bindir / "rlhf-flows"), "watch", str(land), "--interval", "0.5"],
-                                env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=die_with_parent)
+        poll = subprocess.Popen(dies_with_parent([str(prefect_server.bindir / "rlhf-flows"), "watch", str(land), "--interval", "0.5"]),
+                                env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         guard = threading.Timer(120, poll.kill)  # a watch that stops talking ends the read below with EOF
         guard.start()
 

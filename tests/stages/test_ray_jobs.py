@@ -25,7 +25,7 @@ from rlhf_core.demo import demo_task
 from rlhf_core.runtime import ray_jobs
 from rlhf_core import store
 from stages import generate, ppo
-from tests.conftest import die_with_parent, free_port, upload_folder
+from tests.conftest import dies_with_parent, free_port, upload_folder
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,8 +113,8 @@ def ray_head():
            "--object-store-memory", str(200 * 1024 ** 2), *fixed_ports()]
     log = tmp / "head.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=node_env(tmp / "cache"), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(dies_with_parent(cmd), env=node_env(tmp / "cache"), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
         yield type("Head", (), {"address": address, "jobs": wait_job_api(address, proc, log), "pid": proc.pid})
@@ -200,9 +200,8 @@ def test_a_stage_interrupted_mid_job_stops_its_job(ray_head, inputs, s3_root):
     args = [f"{k}={v}" for k, v in dict(policy_uri=policy, prompts_uri=prompts, output_uri=out, backend="hf",
                                         num_engines=1, best_of_n=64, max_new_tokens=64, batch_size=1,
                                         ray_address=ray_head.address).items()]
-    proc = subprocess.Popen([os.path.join(VENV_BIN, "rlhf-flows"), "stage", "generate", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dies_with_parent([os.path.join(VENV_BIN, "rlhf-flows"), "stage", "generate", *args]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
         while not [j for j in jobs_for(ray_head, out) if str(j.status.value) == "RUNNING"]:

@@ -110,3 +110,58 @@ def test_a_job_started_by_a_rank_or_beside_a_process_group_rendezvous_on_its_own
         assert m.metrics["steps_done"] == 1
     finally:
         held.close()
+
+
+def test_a_job_dies_with_the_process_that_launched_it_and_is_launched_without_a_fork(tmp_path):
+    """dies_with_parent: the command runs in the launched process itself (the same pid, after the guard's exec) and
+    gets SIGTERM when the process that launched it is SIGKILLed (nothing of the launcher's except-branch runs then);
+    a guard whose launcher is already gone exits before running the command. run_job passes no preexec_fn, so Popen
+    vforks instead of copying the launching process (a fork of a large pytest worker failed with ENOMEM in CI)."""
+    import signal
+    import subprocess
+
+    pidfile, started = tmp_path / "child.pid", tmp_path / "child.started"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    launcher = ("import subprocess, sys, time\n"
+                "from rlhf_core.runtime import jobs\n"
+                f"p = subprocess.Popen(jobs.dies_with_parent([sys.executable, '-c', {child!r}]), start_new_session=True)\n"
+                f"open({str(started)!r}, 'w').write(str(p.pid))\n"
+                "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], cwd=os.getcwd())
+    deadline = time.time() + 60
+    while not (pidfile.exists() and pidfile.read_text() and started.exists()) and time.time() < deadline:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    assert pid == int(started.read_text())  # the command is the launched process itself (exec'd by the guard)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the launched command outlived its SIGKILLed launcher")
+
+    orphan = jobs.dies_with_parent([sys.executable, "-c", "print('ran')"])
+    orphan[orphan.index(str(os.getpid()))] = "1"  # a guard told its launcher was pid 1: not its parent, so gone
+    done = subprocess.run(orphan, capture_output=True, text=True)
+    assert done.returncode == 1 and "ran" not in done.stdout and "the process that started this one is gone" in done.stderr
+
+    calls = []
+    real = subprocess.Popen
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            calls.append(kw)
+            super().__init__(*a, **kw)
+
+    subprocess.Popen = Spy
+    try:
+        assert jobs.run_job([sys.executable, "-c", "print('ok')"]) == ["ok"]
+    finally:
+        subprocess.Popen = real
+    assert calls and all(kw.get("preexec_fn") is None for kw in calls)
