@@ -542,9 +542,9 @@ def main(spec_ref: str) -> None:
                 tracker.log({"step": step + 1, **ev})
             _say(rank, f"eval step {step + 1}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
         if spec["save_steps"] and (step + 1) % spec["save_steps"] == 0 and step + 1 < total:
-            save_checkpoint(engine, spec, step + 1, history, rank, world)
-            if spec.get("hf_uri"):  # save_hf_ckpt: the model now as an HF folder, kept in the artifact
-                save_hf(engine, spec, method, rank, step + 1)
+            if spec.get("hf_uri"):  # save_hf_ckpt: the model now as an HF folder, kept in the artifact; written before
+                save_hf(engine, spec, method, rank, step + 1)  # the checkpoint commits, so a job killed between the
+            save_checkpoint(engine, spec, step + 1, history, rank, world)  # two redoes the folder on resume
     train_s = time.time() - t0
     if tracker:
         tracker.close()
