@@ -1,4 +1,4 @@
-"""What the trainer-vs-TRL benchmarks share (dpo_vs_trl.py, kto_vs_trl.py): the command line, the tiny
+"""What the trainer-vs-TRL benchmarks share (dpo_vs_trl.py, kto_vs_trl.py, rm_vs_trl.py, ...): the command line, the tiny
 policy and the lengthened demo pairs, the TRL run in TRL's own process, and the side-by-side comparison
 (alternating runs, a float32 check on every side, medians, ratios). Standard library only at import: the
 TRL side imports this file too, inside TRL's own virtualenv."""
@@ -80,19 +80,23 @@ def trl_train(spec: dict, config_cls: str, trainer_cls: str) -> dict:
     import datasets
     import torch
     import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     rows = [json.loads(line) for line in Path(spec["rows"]).read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(spec["policy"])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
+    if trainer_cls == "RewardTrainer":  # a causal LM's body under a new scalar head, as our train_rm loads it
+        model = AutoModelForSequenceClassification.from_pretrained(spec["policy"], dtype=torch.float32, num_labels=1)
+        model.config.pad_token_id = tok.pad_token_id
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
     seen = set()
 
     def hook(_module, _args, out):
         seen.add((str(out[0].dtype), torch.is_autocast_enabled("cpu")))
 
-    model.get_decoder().register_forward_hook(hook)
-    beta = {} if config_cls == "SFTConfig" else {"beta": 0.1}
+    getattr(model, model.base_model_prefix).register_forward_hook(hook)
+    beta = {} if config_cls in ("SFTConfig", "RewardConfig") else {"beta": 0.1}
     args = getattr(trl, config_cls)(output_dir=spec["out"], per_device_train_batch_size=spec["batch"],
                                     max_length=spec["max_len"], num_train_epochs=1, learning_rate=5e-4, **beta,
                                     report_to=[], use_cpu=True, save_strategy="no", logging_steps=1000,
@@ -236,19 +240,19 @@ def bare_loop(cfg, method: str, records: list[dict], model_dir: Path, pad_id: in
     gradient clipping and fused AdamW on the model loaded in float32. What it leaves out is what the job adds:
     the DeepSpeed engine, metrics bookkeeping, the learning-rate schedule and logging. {train_loop_s, dtype}."""
     import torch
-    from transformers import AutoModelForCausalLM
-
     from rlhf_core.train import adamw
     from rlhf_core.train.batches import BatchPlan, seq_len
+    from rlhf_core.train.entry import _auto
     from rlhf_core.train.launch import SPEC_KEYS
     from rlhf_core.train.methods import get
 
     spec = {**{k: getattr(cfg, k) for k in SPEC_KEYS}, **extra_spec, "pad_id": pad_id}
     step = get(method).step
+    auto, kw = _auto(get(method))  # the job's model class: a causal LM, or a scalar head for rm
     plan = BatchPlan([seq_len(r) for r in records], cfg.train_batch_size, cfg.micro_train_batch_size, 1, cfg.seed,
                      cfg.max_epochs, cfg.length_bucketing)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = auto.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
     model.train()
     opt = adamw(model.parameters(), cfg.learning_rate, cfg.adam_betas, cfg.l2)
     t = time.time()
