@@ -253,7 +253,7 @@ class Roles:
             from rlhf_core.runtime import niceness  # the role at the stage's niceness, not Ray's 15, on any cluster
 
             nice_env = niceness.actor_env()
-            role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name), **nice_env}}}
+            role_env = {"runtime_env": {"env_vars": {**env, **node_store.actor_env(name), **nice_env, **niceness.omp_env()}}}
             if self.timeline is not None:
                 cls = timeline.traced(cls)
                 self.timeline.place(name)

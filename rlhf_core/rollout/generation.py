@@ -267,8 +267,7 @@ def run_engines(engine_cls, init_args: tuple, method: str, items: list, call_kwa
         gpus = num_gpus_per_engine if ray.cluster_resources().get("GPU", 0) > 0 else 0
         opts = {"num_cpus": 1, "num_gpus": gpus}
         nice_env = niceness.actor_env()  # the engines at this process's niceness, on any cluster
-        if env or nice_env:
-            opts["runtime_env"] = {"env_vars": {**(env or {}), **nice_env}}
+        opts["runtime_env"] = {"env_vars": {**(env or {}), **nice_env, **niceness.omp_env()}}
         remote_cls = ray.remote(niceness.at_launcher_priority(engine_cls) if nice_env else engine_cls).options(**opts)
         actors = [remote_cls.remote(*init_args) for _ in bounds]
         futures = [getattr(actors[o], method).remote(items[s:e], **call_kwargs, **offset(s)) for o, s, e in chunks]

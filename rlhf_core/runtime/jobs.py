@@ -129,8 +129,12 @@ RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZ
 
 def job_env(num_procs: int, extra: dict | None = None) -> dict:
     """Environment for the child: this process's without its rendezvous variables (RENDEZVOUS_ENV); one OpenMP thread
-    per rank when ranks share the cores."""
+    per rank when ranks share the cores; OpenMP threads that spin briefly at a barrier (niceness.omp_env: full speed
+    beside other processes on the node)."""
+    from rlhf_core.runtime.niceness import omp_env
+
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env.update(omp_env())
     if num_procs > 1 and "OMP_NUM_THREADS" not in (extra or {}):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_procs))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -18,6 +18,10 @@ of the stage's process:
   the OS refuses, one warning in the actor's log (which Ray forwards to the driver) says at what niceness it runs,
   why, and what to change.
 
+The same processes' OpenMP threads wait at a barrier briefly before they sleep (`omp_env`: GOMP_SPINCOUNT=1000 unless
+the user set it or OMP_WAIT_POLICY), so a thread that lost its core to another process is not kept from it by its
+siblings' spinning (measured below SPIN).
+
 Setting, read in the stage's process (a Ray Job's driver, the value its submitter resolved: `job_env`):
 
     RLHF_FLOWS_RAY_NICENESS=driver   (default) the niceness of the stage's process
@@ -69,6 +73,21 @@ def actor_env() -> dict[str, str]:
     raylet's niceness, and the actor's constructor (at_launcher_priority) reads the target from it."""
     t = target()
     return {} if t is None else {"RAY_worker_niceness": "0", ENV: str(t)}
+
+
+# On a busy node an OpenMP parallel region runs at the pace of its slowest thread, and GNU OpenMP's threads that reach a
+# barrier first spin (GOMP_SPINCOUNT, 300,000 by default) before they sleep: their spinning takes the core that the
+# thread they wait for needs. Measured on this 2-core machine beside one busy loop of our own (2026-11-28, two threads
+# of 96x768 @ 768x2048 fp32 matmuls, 3,000 each): 16.9 s by default, 10.4 s with GOMP_SPINCOUNT=1000, 9.3 s on one
+# thread; quiet, 4.98 and 4.96 s. OMP_WAIT_POLICY=PASSIVE (no spin at all) gave 10.2 s busy but 6.5 s quiet.
+SPIN = {"GOMP_SPINCOUNT": "1000"}
+
+
+def omp_env() -> dict[str, str]:
+    """Environment for the processes a stage starts that compute (Ray actors, training jobs): OpenMP threads that spin
+    briefly at a barrier (SPIN), unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY (theirs is kept). Read by
+    OpenMP when the process starts, so it goes in the process's environment, not in a running one."""
+    return {} if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys() else dict(SPIN)
 
 
 def job_env() -> dict[str, str]:

@@ -111,11 +111,15 @@ def test_ray_niceness_leaves_the_process_alone():
 
 # ---------------------------------------------------------------------------------------------- real Ray
 class Probe:
-    """An engine for run_engines: each item answers with the nicenesses of its actor's threads."""
+    """An engine for run_engines: each item answers with the nicenesses of its actor's threads (nice), or with the
+    OpenMP spin its process started with (spin)."""
 
     def nice(self, items: list) -> list:
         return [sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
                 for _ in items]
+
+    def spin(self, items: list) -> list:
+        return [os.environ.get("GOMP_SPINCOUNT") for _ in items]
 
 
 def threads_nice(actor) -> list[int]:
@@ -139,6 +143,24 @@ def test_engines_on_a_local_ray_run_at_the_drivers_niceness(monkeypatch):
     monkeypatch.setenv(niceness.ENV, "ray")
     got = generation.run_engines(Probe, (), "nice", [0, 1], {}, num_engines=2)
     assert [max(g) for g in got] == [cap(N0 + RAY_DEFAULT)] * 2
+    # the engines' OpenMP threads spin briefly at a barrier (niceness.omp_env), whatever the niceness setting
+    assert generation.run_engines(Probe, (), "spin", [0], {}, num_engines=1) == ["1000"]
+
+
+def test_processes_that_compute_spin_briefly_at_an_openmp_barrier_unless_the_user_said(monkeypatch):
+    """omp_env: GOMP_SPINCOUNT=1000 for the actors and training jobs a stage starts (a thread that lost its core to
+    another process is not kept from it by its siblings' spinning); a GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set
+    is kept, in a training job's environment too."""
+    from rlhf_core.runtime import jobs
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert niceness.omp_env() == {"GOMP_SPINCOUNT": "1000"} and jobs.job_env(1)["GOMP_SPINCOUNT"] == "1000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50000")
+    assert niceness.omp_env() == {} and jobs.job_env(1)["GOMP_SPINCOUNT"] == "50000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert niceness.omp_env() == {} and "GOMP_SPINCOUNT" not in jobs.job_env(1)
 
 
 @pytest.fixture(scope="module")
