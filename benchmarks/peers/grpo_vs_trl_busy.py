@@ -8,6 +8,10 @@ RLHF_FLOWS_RAY_NICENESS=ray (Ray's 15), beside the same load.
     .venv/bin/python benchmarks/peers/grpo_vs_trl_busy.py --trl-python /tmp/trl-venv/bin/python --size 57m \\
         --prompt-len 128 --completion-len 64 --n 8 --prompts-per-step 2 --steps 6 --repeats 2 [--ray-default]
 
+Both sides get the same OpenMP barrier spin: our stages start their processes with GOMP_SPINCOUNT=1000
+(rlhf_core.runtime.niceness.omp_env), and TRL, at its best, runs with it too (`--trl-default-spin`: OpenMP's default
+for TRL, as a user who sets nothing runs it).
+
 The load: one process at this script's niceness spinning on one core (`while True: pass`), started before a side
 and stopped by its pid right after it (it also exits by itself when this script is gone or after --busy-max-s). The
 "quiet" rounds are quiet only as far as the machine is: on a shared host other jobs run too, so every side reports
@@ -139,6 +143,19 @@ def main(a) -> None:
                     os.environ[niceness.ENV] = old
         return run
 
+    def trl():  # TRL at its best: with the OpenMP spin our stages give their processes, unless --trl-default-spin
+        from rlhf_core.runtime.niceness import SPIN
+
+        old = {k: os.environ.pop(k) for k in SPIN if k in os.environ}
+        if not a.trl_default_spin:
+            os.environ.update(SPIN)
+        try:
+            return peer.trl_run(a.trl_python, policy, prompts, a.steps, False)
+        finally:
+            for k in SPIN:
+                os.environ.pop(k, None)
+            os.environ.update(old)
+
     with tempfile.TemporaryDirectory() as d:
         policy, _ = tiny.build_tiny_pair(d, demo_task.corpus(0), seed=0, **peer.SIZES[a.size])
         prompts = Path(d) / "prompts.jsonl"
@@ -156,7 +173,7 @@ def main(a) -> None:
                     if mode == "quiet" and name == "ours_ray_niceness":
                         continue  # Ray's niceness changes nothing on an idle core: only beside the load
                     run = (ours(k, None) if name == "ours" else ours(k, "ray") if name == "ours_ray_niceness"
-                           else lambda: peer.trl_run(a.trl_python, policy, prompts, a.steps, False))
+                           else trl)
                     k += 1
                     out[mode][name].append(side(name, run, mode == "busy", a.busy_max_s))
     ratio = {}
@@ -183,6 +200,9 @@ if __name__ == "__main__":
     ap.add_argument("--no-shared", action="store_true", help="ours without shared_prompt")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of quiet and busy sides (alternating order)")
     ap.add_argument("--ray-default", action="store_true", help="also the stage at Ray's niceness, beside the load")
+    ap.add_argument("--trl-default-spin", action="store_true",
+                    help="TRL with OpenMP's default barrier spin (default: with the GOMP_SPINCOUNT our stages give their "
+                         "processes, rlhf_core.runtime.niceness.SPIN: TRL at its best)")
     ap.add_argument("--busy-max-s", type=float, default=3600.0, help="the busy loop exits by itself after this long")
     a = ap.parse_args()
     if not Path(a.trl_python).exists():

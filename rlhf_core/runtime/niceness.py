@@ -77,9 +77,9 @@ def actor_env() -> dict[str, str]:
 
 # On a busy node an OpenMP parallel region runs at the pace of its slowest thread, and GNU OpenMP's threads that reach a
 # barrier first spin (GOMP_SPINCOUNT, 300,000 by default) before they sleep: their spinning takes the core that the
-# thread they wait for needs. Measured on this 2-core machine beside one busy loop of our own (2026-11-28, two threads
-# of 96x768 @ 768x2048 fp32 matmuls, 3,000 each): 16.9 s by default, 10.4 s with GOMP_SPINCOUNT=1000, 9.3 s on one
-# thread; quiet, 4.98 and 4.96 s. OMP_WAIT_POLICY=PASSIVE (no spin at all) gave 10.2 s busy but 6.5 s quiet.
+# thread they wait for needs. benchmarks/parts/omp_spin.py on 2 cores beside one busy loop (2026-11-29): two threads of
+# 96x768 @ 768x2048 fp32 matmuls 16.2 s by default, 10.9 s with GOMP_SPINCOUNT=1000, 9.6 s on one thread; quiet, 6.3
+# and 5.0 s. OMP_WAIT_POLICY=PASSIVE (no spin at all) 11.1 s busy, 5.3 s quiet. (benchmarks/RESULTS.md)
 SPIN = {"GOMP_SPINCOUNT": "1000"}
 
 
