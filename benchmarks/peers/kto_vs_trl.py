@@ -40,18 +40,12 @@ def main():
     from transformers import AutoTokenizer
 
     from rlhf_core.inputs import data
-    from rlhf_core import store
     from stages import kto
 
     root, policy, policy_uri, pairs = trl_peer.setup("kto-bench-", a.pairs, a.model)
     rows = data.pairs_to_kto(pairs)
     random.Random(8).shuffle(rows)  # TRL samples sequentially: do not hand it alternating labels
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    kto_uri = str(root / "store" / "kto-rows")
-    w = store.ArtifactWriter(kto_uri, "data", {"n": len(rows)})
-    w.begin()
-    w.write_table("k.parquet", data.to_table(rows, "kto"))
-    w.commit()
+    kto_uri = trl_peer.commit_rows(root, rows, "kto", "kto-rows")
     tok = AutoTokenizer.from_pretrained(str(policy))
     real = sum(len(tok(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in rows)
 

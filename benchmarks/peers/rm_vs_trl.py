@@ -37,18 +37,12 @@ def main():
         return
     from transformers import AutoTokenizer
 
-    from rlhf_core.inputs import data, models
-    from rlhf_core import store
+    from rlhf_core.inputs import models
     from rlhf_core.train import batches
     from stages import train_rm
 
     root, policy, policy_uri, rows = trl_peer.setup("rm-bench-", a.pairs, a.model)
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pairs_uri = str(root / "store" / "pairs")
-    w = store.ArtifactWriter(pairs_uri, "data", {"n": a.pairs})
-    w.begin()
-    w.write_table("p.parquet", data.to_table(rows, "pairs"))
-    w.commit()
+    pairs_uri = trl_peer.commit_rows(root, rows, "pairs", "pairs")
     tok = AutoTokenizer.from_pretrained(str(policy))
     lens = [len(tok(r["prompt"] + r[k])["input_ids"]) + 1 for r in rows for k in ("chosen", "rejected")]
     if max(lens) > a.max_len:  # TRL would drop these pairs, we would truncate them: not the same work

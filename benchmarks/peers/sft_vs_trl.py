@@ -40,19 +40,13 @@ def main():
         return
     from transformers import AutoTokenizer
 
-    from rlhf_core.inputs import data, models
-    from rlhf_core import store
+    from rlhf_core.inputs import models
     from rlhf_core.train import batches
     from stages import sft
 
     root, policy, policy_uri, pairs = trl_peer.setup("sft-bench-", a.pairs, a.model)
     rows = [{"input": r["prompt"], "output": r["chosen"]} for r in pairs]
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sft_uri = str(root / "store" / "sft-rows")
-    w = store.ArtifactWriter(sft_uri, "data", {"n": len(rows)})
-    w.begin()
-    w.write_table("s.parquet", data.to_table(rows, "sft"))
-    w.commit()
+    sft_uri = trl_peer.commit_rows(root, rows, "sft", "sft-rows")
     tok = AutoTokenizer.from_pretrained(str(policy))
     real = sum(len(tok(r["input"] + r["output"])["input_ids"]) + 1 for r in rows)
 

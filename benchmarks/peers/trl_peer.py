@@ -147,6 +147,21 @@ def setup(prefix: str, n_pairs: int, model: str = "tiny") -> tuple[Path, Path, s
     return root, policy, policy_uri, pairs
 
 
+def commit_rows(root: Path, rows: list[dict], kind: str, name: str) -> str:
+    """`rows` twice: as root/rows.jsonl (what the TRL side reads) and as a committed data artifact of `kind` under
+    root/store/`name` (what our stage reads); the artifact's URI."""
+    from rlhf_core import store
+    from rlhf_core.inputs import data
+
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    uri = str(root / "store" / name)
+    w = store.ArtifactWriter(uri, "data", {"n": len(rows)})
+    w.begin()
+    w.write_table(f"{kind}.parquet", data.to_table(rows, kind))
+    w.commit()
+    return uri
+
+
 def float32_trained(manifest, model_dir: Path) -> str:
     """'float32' when our job ran with bf16 off and saved float32 weights, else what it saved."""
     from safetensors.torch import load_file
