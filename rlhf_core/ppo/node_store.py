@@ -78,17 +78,18 @@ def local_model(src: str) -> str:
     so = storage_options()
     try:
         m = model_inputs.model_manifest(src, so)
-        local = model_inputs.fetch_model(src, so, manifest=m)
+        raw = model_inputs.fetch_model(src, so, manifest=m, merge=False)  # the artifact's own files, as committed
     except models.ModelInputError:
         raise
     except Exception as e:  # noqa: BLE001 - a node without a route to the store: say which node
         raise RuntimeError(f"{_where()} cannot fetch the model {src} from the store: {type(e).__name__}: {e}") from None
     for f in m.files:  # a cut download (or a cache entry edited by hand) is not loaded
-        p = Path(local) / f["path"]
+        p = Path(raw) / f["path"]
         if f.get("size") is not None and (not p.is_file() or p.stat().st_size != f["size"]):
             raise models.ModelInputError(f"{_where()}: {p} does not match {src} ({f['path']}: expected "
                                          f"{f['size']} bytes): delete that cache entry")
-    return str(local)
+    # an adapter-only artifact (LoRA RL's policy, a trainer's lora_merge=false) merged onto its lineage's base
+    return str(model_inputs.fetch_model(src, so, manifest=m))
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

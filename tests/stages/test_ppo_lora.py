@@ -72,6 +72,8 @@ def test_a_lora_run_syncs_and_saves_the_adapter_alone_and_resumes_from_an_adapte
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # B moved off zero
 
     merged_dir = model_inputs.fetch_model(str(out))  # a stage reading the artifact: base + adapter, merged
+    from rlhf_core.ppo import node_store  # and a ppo role reading it (the ppo flow's next iteration): the same merge,
+    assert Path(node_store.local_model(str(out))) == Path(merged_dir)  # the artifact's own files checked first
     base = load_file(str(Path(tiny.policy_dir) / "model.safetensors"))
     merged = {}
     for f in Path(merged_dir).glob("*.safetensors"):
