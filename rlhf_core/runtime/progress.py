@@ -1,6 +1,6 @@
 """Progress of long work, as log lines on the `rlhf_flows` logger that every consumer parses the same way:
 
-    step 12/40 loss=0.6812 reward_margin=0.0210 tokens/s=10250 eta=31s    (the training job, per log_steps)
+    step 12/40 loss=0.6812 reward_margin=0.0210 tokens=1840 forwarded=1312 tokens/s=10250 eta=31s  (training job)
     progress generate 96/256 rows                                          (Ray engines, per finished chunk)
 
 The training child prints its step lines to stdout (rlhf_core.runtime.jobs forwards them to the logger); in-process

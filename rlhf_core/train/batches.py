@@ -208,6 +208,22 @@ class BatchPlan:
 
 
 # ---------------------------------------------------------------------------------------------- collation
+@dataclass(frozen=True)
+class Tokens:
+    """What a forward costs, in tokens: `samples`, the tokens of its samples each on its own (prompt + response;
+    a prompt that pairs or groups share, once per sample: the throughput figure, comparable with a peer's);
+    `forwarded`, the positions the model ran that hold a token (a shared prompt once); `positions`, every position
+    it ran, padding included (rows x columns). e.g. a DPO pair with a 10-token prompt and 5 + 3 response tokens,
+    one row: samples 28, forwarded 18, positions 18; the same pair as two padded rows: 28, 28, 30."""
+
+    samples: int = 0
+    forwarded: int = 0
+    positions: int = 0
+
+    def __add__(self, other: "Tokens") -> "Tokens":
+        return Tokens(self.samples + other.samples, self.forwarded + other.forwarded, self.positions + other.positions)
+
+
 @dataclass
 class Batch:
     """Sequences as rows (layout "padded", R = n), packed one after another into one row or into rows of at
@@ -230,6 +246,11 @@ class Batch:
     doc: torch.Tensor | None = None
     branch: torch.Tensor | None = None
     layout: str = "padded"
+
+    def tokens(self) -> Tokens:
+        """This batch's Tokens: real_tokens (each sample whole), the positions holding a token (segment < n: a shared
+        prompt is one sample's), every position."""
+        return Tokens(self.real_tokens, int((self.segment < self.n).sum()), self.input_ids.numel())
 
     def targets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, cols, tokens, samples), each # (N,): token tokens[j] of sample samples[j] is predicted by the

@@ -22,7 +22,7 @@ from rlhf_core.train import adamw, checkpoints, compile_engine, deepspeed_option
 from rlhf_core.runtime import faults
 from rlhf_core.train import attention
 from rlhf_core.train import memory, moe
-from rlhf_core.train.batches import BatchPlan, collate, collate_pairs, seq_len
+from rlhf_core.train.batches import BatchPlan, Tokens, collate, collate_pairs, seq_len
 from rlhf_core.train.methods import get as get_method
 
 
@@ -163,7 +163,7 @@ def batch_of(spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, 
 
 
 def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int, pairs: bool = False):
-    """One LM forward over token lists: (summed target log-probs # (n,), target counts # (n,), real tokens).
+    """One LM forward over token lists: (summed target log-probs # (n,), target counts # (n,), its batches.Tokens).
     `pairs`: as batch_of. (A reward model's forward is rlhf_core.train.methods.rm.rewards.)"""
     b = batch_of(spec, seqs, starts, pad_id, pairs)
     dev = engine.device
@@ -173,7 +173,27 @@ def forward(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     lp, n = zeros.index_add(0, sample, lp), zeros.index_add(0, sample, torch.ones_like(lp))
     if ring.size() > 1:  # each rank of the ring group holds its slice's part of every sample's sums
         lp, n = ring.sum_over_group(lp), ring.sum_over_group(n)
-    return lp, n, b.real_tokens
+    return lp, n, b.tokens()
+
+
+TOKEN_KEYS = ("tokens", "tokens_forwarded", "positions_forwarded")
+
+
+def token_figures(t: Tokens) -> dict[str, int]:
+    """A step's (or the run's) Tokens as the training log names them: `tokens` (each sample's own tokens: what
+    tokens/s counts), `tokens_forwarded` (positions that hold a token: a pair's or a group's prompt once),
+    `positions_forwarded` (padding included)."""
+    return dict(zip(TOKEN_KEYS, (t.samples, t.forwarded, t.positions)))
+
+
+def all_ranks(t: Tokens, tp: int) -> Tokens:
+    """`t` summed over every rank of the job; tensor-parallel ranks forwarded the same tokens (counted once), the
+    ranks of a ring group their own slices (summed)."""
+    import torch.distributed as dist
+
+    v = torch.tensor([t.samples, t.forwarded, t.positions], dtype=torch.float64)
+    dist.all_reduce(v)
+    return Tokens(*(round(x / tp) for x in v.tolist()))
 
 
 def window_per_token(plan: BatchPlan, records: list[dict], step: int) -> float:
@@ -511,10 +531,10 @@ def main(spec_ref: str) -> None:
     _say(rank, f"training {spec['method']}: {len(records)} samples, {total} steps, world size {world}"
          + (f", {len(eval_records)} eval samples every {eval_every} steps" if eval_records else ""))
     engine.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing act only in train mode
-    t0, tokens_done = time.time(), 0
+    t0, tokens_done = time.time(), Tokens()
     for step in range(start, total):
         faults.pause_step(spec.get("step_sleep") or 0.0)  # tests slow a job to kill it mid-run (runtime.faults)
-        parts = []
+        parts, step_tokens = [], Tokens()
         lr = sched.get_last_lr()[0]  # this step's lr (the engine's step moves the schedule on)
         step_spec = {**spec, "window_per_token": window_per_token(plan, records, step)} \
             if spec.get("loss_token_mean") == "window" else spec
@@ -522,18 +542,21 @@ def main(spec_ref: str) -> None:
             loss, met, ntok = method.step(engine, step_spec, [records[i] for i in mb], pad_id)
             engine.backward(loss)
             engine.step()
-            tokens_done += ntok
+            step_tokens += ntok
             parts.append(met)
+        step_tokens = all_ranks(step_tokens, tp)
+        tokens_done += step_tokens
         acc = step_figures(parts, getattr(method, "CLASS_MEANS", {}))
-        history.append({"step": step + 1, "samples": plan.batch(step), "lr": lr, **acc})
+        history.append({"step": step + 1, "samples": plan.batch(step), "lr": lr, **acc, **token_figures(step_tokens)})
         if tracker:
             tracker.log(history[-1])
         if rank == 0 and ((step + 1) % spec["log_steps"] == 0 or step + 1 == total):
             from rlhf_core.runtime.progress import eta
 
-            took = time.time() - t0  # rank 0's tokens x world: the progress line's throughput estimate
+            took = time.time() - t0
             print("step %d/%d " % (step + 1, total) + " ".join(f"{k}={v:.4f}" for k, v in acc.items())
-                  + f" tokens/s={tokens_done * world / max(took, 1e-9):.0f} eta={eta(took / (step + 1 - start) * (total - step - 1))}",
+                  + f" tokens={history[-1]['tokens']} forwarded={history[-1]['tokens_forwarded']}"
+                  + f" tokens/s={tokens_done.samples / max(took, 1e-9):.0f} eta={eta(took / (step + 1 - start) * (total - step - 1))}",
                   flush=True)
         if eval_records and ((step + 1) % eval_every == 0 or step + 1 == total):
             ev = eval_metrics(evaluate(engine, spec, method, eval_records, drank, dworld, pad_id))
@@ -548,20 +571,18 @@ def main(spec_ref: str) -> None:
     train_s = time.time() - t0
     if tracker:
         tracker.close()
-    tok = torch.tensor([tokens_done], dtype=torch.float64)
-    dist.all_reduce(tok)
-    tok /= tp  # tensor-parallel ranks forwarded the same tokens (ring ranks counted their own slices)
     final = (evaluate(engine, spec, method, records, drank, dworld, pad_id) if getattr(method, "FINAL_PASS", False)
              else last_epoch(history, method, plan.steps_per_epoch, spec["train_batch_size"] // dworld))
     save_final(engine, spec, method, rank, method.saved_config(final, spec) if hasattr(method, "saved_config") else {})
     if rank == 0:
         seen = [i for h in history for i in h["samples"]]
         result = {"steps_done": len(history) and history[-1]["step"], "planned_steps": total, "samples_seen": len(seen),
-                  "resumed_from_step": start, "tokens_per_s": float(tok[0]) / max(train_s, 1e-9) if total > start else 0.0,
+                  "resumed_from_step": start, "tokens_per_s": tokens_done.samples / max(train_s, 1e-9) if total > start else 0.0,
+                  **{k: sum(h.get(k, 0) for h in history) for k in TOKEN_KEYS},  # a resumed job's earlier steps too
                   "train_seconds": train_s, "history": history, "load_memory": load_memory, **final}
         result |= next(({k: v for k, v in h.items() if k.startswith("eval_")} for h in reversed(history)
                         if any(k.startswith("eval_") for k in h)), {})  # the last evaluation's figures
-        for k in (k for k in (history[0] if history else {}) if k not in ("step", "samples", "lr") and not k.startswith("eval_")):
+        for k in (k for k in (history[0] if history else {}) if k not in ("step", "samples", "lr", *TOKEN_KEYS) and not k.startswith("eval_")):
             result[f"first_{k}"], result[f"last_{k}"] = history[0][k], history[-1][k]
         (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(result))
         print(f"done: {result['steps_done']}/{total} steps, {result['samples_seen']} samples", flush=True)

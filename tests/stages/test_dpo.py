@@ -1,5 +1,6 @@
 """reference + dpo: DPO raises the implied reward margin on its training pairs, trains every parameter
 group (ZeRO-2, 2 processes), and refuses bad input by name."""
+import json
 import os
 
 import pytest
@@ -52,6 +53,12 @@ def test_dpo_two_processes_raises_margin_and_trains_all_params(tiny, ref_pairs, 
     assert m.metrics["steps_done"] == 8 and m.metrics["samples_seen"] == 128
     assert m.metrics["first_reward_margin"] == pytest.approx(0.0, abs=1e-4)  # policy == reference at step 1
     assert m.metrics["final_reward_margin"] > 0.05 and m.metrics["final_reward_accuracy"] > 0.6
+    # tokens forwarded, both ranks' counted each step: each epoch forwards every pair once, a pair's prompt once
+    log = json.loads((out / "training_log.json").read_text())
+    per_epoch = [sum(h["tokens"] for h in log[:4]), sum(h["tokens"] for h in log[4:])]
+    assert per_epoch[0] == per_epoch[1] and sum(per_epoch) == m.metrics["tokens"]
+    assert sum(h["tokens_forwarded"] for h in log) == m.metrics["tokens_forwarded"]
+    assert m.metrics["tokens_forwarded"] < m.metrics["tokens"] and m.metrics["tokens_forwarded"] <= m.metrics["positions_forwarded"]
     before, after = load_file(os.path.join(tiny.policy_dir, "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert [k for k in before if torch.equal(before[k], after[k])] == []
 

@@ -53,6 +53,9 @@ def test_sft_trains_every_parameter_rerun_is_free_and_a_reverted_config_restores
     AutoTokenizer.from_pretrained(str(tmp_path / "sft"))
     log = json.loads((tmp_path / "sft" / "training_log.json").read_text())
     assert sorted(i for h in log for i in h["samples"]) == list(range(48))  # one epoch: each sample once
+    # padded rows forward each sample whole: as many tokens forwarded as the samples hold, padding apart
+    assert sum(h["tokens"] for h in log) == m.metrics["tokens"] == m.metrics["tokens_forwarded"] > 48
+    assert m.metrics["tokens"] <= m.metrics["positions_forwarded"] == sum(h["positions_forwarded"] for h in log)
     assert not (tmp_path / "sft" / "checkpoints").exists()
     assert sft.run(cfg).created_at == m.created_at  # same fingerprint: no work
 

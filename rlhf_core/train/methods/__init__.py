@@ -5,8 +5,8 @@ A method module defines
                                           body with a scalar score head (AutoModelForSequenceClassification)
     step(engine, spec, recs, pad_id) -> (loss, metrics, tokens)
                                           one micro-batch of records: the scalar loss to backpropagate, detached
-                                          per-example metrics # (B,) (logged per step, averaged), and the real
-                                          tokens forwarded (throughput)
+                                          per-example metrics # (B,) (logged per step, averaged), and the
+                                          forward's batches.Tokens (throughput, tokens forwarded)
     summarize(totals, n) -> dict          optional: the final metrics over the training set from each metric
                                           summed over its n records (evaluated after training with step under
                                           no_grad); without it, no final pass runs

@@ -47,7 +47,7 @@ def teacher_logits(spec: dict, b, device) -> torch.Tensor:
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):
-    """(loss, per-example metrics nll / distill / kl, real tokens forwarded) of one micro-batch."""
+    """(loss, per-example metrics nll / distill / kl, batches.Tokens) of one micro-batch."""
     b = batch_of(spec, [r["ids"] for r in recs], [r["start"] for r in recs], pad_id)
     dev = engine.device
     logits = target_logits(engine, b)  # (N, V)
@@ -59,7 +59,7 @@ def step(engine, spec: dict, recs: list[dict], pad_id: int):
     zeros = torch.zeros(b.n, dtype=nll.dtype, device=dev)
     n = zeros.index_add(0, sample, torch.ones_like(nll)).clamp(min=1)
     per = {k: zeros.index_add(0, sample, v.detach()) / n for k, v in (("nll", nll), ("distill", ce), ("kl", kl))}
-    return loss, {"loss": loss.detach().expand(b.n), **per}, b.real_tokens
+    return loss, {"loss": loss.detach().expand(b.n), **per}, b.tokens()
 
 
 def summarize(totals: dict[str, float], n: int) -> dict:

@@ -26,7 +26,7 @@ import torch
 from rlhf_core.rl import logprobs, losses
 from rlhf_core.inputs.data import DataError
 from rlhf_core.train import attention, ring
-from rlhf_core.train.batches import Encoder, _padded
+from rlhf_core.train.batches import Encoder, Tokens, _padded
 from rlhf_core.train.entry import _parts, batch_of, forward
 
 MODEL = "causal_lm"
@@ -86,8 +86,9 @@ def shared_prefix(r: dict) -> int:
 
 
 def _kl_on_prefix(engine, spec: dict, recs: list[dict], pad_id: int):
-    """(summed log-probs of the examples # (n,), with gradient; of their KL pairs # (n,), without; real tokens
-    forwarded), the KL pairs forwarded on the examples' KV cache; None where no cache can be shared."""
+    """(summed log-probs of the examples # (n,), with gradient; of their KL pairs # (n,), without; batches.Tokens
+    of both forwards: a KL pair's own tokens counted whole in `samples`, only its suffix in `forwarded`), the KL
+    pairs forwarded on the examples' KV cache; None where no cache can be shared."""
     from transformers import DynamicCache
 
     model = getattr(engine, "module", engine)
@@ -120,7 +121,7 @@ def _kl_on_prefix(engine, spec: dict, recs: list[dict], pad_id: int):
     if cache is None or cache.get_seq_length() != T:  # the model kept no cache after all: the pairs whole
         with torch.no_grad():
             kl_lp, _, kl_tokens = forward(engine, spec, [r["kl_ids"] for r in recs], [r["kl_start"] for r in recs], pad_id)
-        return lp, kl_lp, b.real_tokens + kl_tokens
+        return lp, kl_lp, b.tokens() + kl_tokens
     # The KL forward: row r carries the KL suffixes of the samples of example row r (their prompts are there),
     # each at the positions it has alone; the cache's columns are marked with their sample where they lie in
     # that sample's shared prefix (-1: not attended).
@@ -154,7 +155,7 @@ def _kl_on_prefix(engine, spec: dict, recs: list[dict], pad_id: int):
         kl_logits = run(kw, kr, kc)[0]  # (N', V)
         kl_lp = torch.zeros(n, dtype=kl_logits.dtype, device=dev).index_add(0, ks, losses.gathered_logprobs(kl_logits, kt))
     del cache
-    return lp, kl_lp, b.real_tokens + sum(len(x) for x in doc)
+    return lp, kl_lp, b.tokens() + Tokens(sum(len(r["kl_ids"]) for r in recs), sum(len(x) for x in doc), R * W)
 
 
 def _apart(engine, spec: dict, recs: list[dict], pad_id: int):
@@ -166,7 +167,7 @@ def _apart(engine, spec: dict, recs: list[dict], pad_id: int):
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):
-    """(loss, per-example metrics, real tokens forwarded) of one micro-batch."""
+    """(loss, per-example metrics, batches.Tokens) of one micro-batch."""
     lp, kl_lp, tokens = _kl_on_prefix(engine, spec, recs, pad_id) or _apart(engine, spec, recs, pad_id)
     dev = lp.device
     ref = torch.tensor([r["ref_logp"] for r in recs], device=dev, dtype=lp.dtype)

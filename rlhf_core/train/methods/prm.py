@@ -107,7 +107,7 @@ def reward_logits(model, seqs: list[list[int]], pad_id: int, placeholder_id: int
     else:  # inside the top module's forward: ZeRO-3 prefetches (logprobs.through_top)
         backbone, head = parts
         logits = logprobs.through_top(inner, lambda: head(backbone(**kw).last_hidden_state[rows, cols]))  # (N, V)
-    return logits[:, reward_ids].float(), b.segment.to(dev)[rows, cols], b.real_tokens
+    return logits[:, reward_ids].float(), b.segment.to(dev)[rows, cols], b.tokens()
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):

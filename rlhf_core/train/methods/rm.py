@@ -17,7 +17,7 @@ FINAL_PASS = True  # reward mean / std of the trained model over the training se
 
 def rewards(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id: int):
     """Scalar rewards # (n,) of k chosen then k rejected sequences (score head on each sample's last token;
-    a pair's prompt forwarded once, entry.batch_of) and the real tokens forwarded."""
+    a pair's prompt forwarded once, entry.batch_of) and the forward's batches.Tokens."""
     b = batch_of(spec, seqs, starts, pad_id, pairs=True)
     dev = engine.device
     model = getattr(engine, "module", engine)
@@ -26,7 +26,7 @@ def rewards(engine, spec: dict, seqs: list[list[int]], starts: list[int], pad_id
     kw, last = attention.model_inputs(body, b, dev), b.last.to(dev)
     # through the top module (the engine's): ZeRO-3 prefetches (logprobs.through_top)
     r = logprobs.through_top(model, lambda: core.score(body(**kw, use_cache=False).last_hidden_state[last[:, 0], last[:, 1]]))
-    return r.squeeze(-1).float(), b.real_tokens
+    return r.squeeze(-1).float(), b.tokens()
 
 
 def step(engine, spec: dict, recs: list[dict], pad_id: int):

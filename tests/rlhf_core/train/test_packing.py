@@ -60,3 +60,15 @@ def test_batch_of_packs_into_max_len_rows_except_under_flash_attention():
     assert batch_of(spec, seqs, [1] * 4, 0).input_ids.shape == (3, 40)  # [30, 10], [25], [20]
     assert batch_of({"packing_samples": True}, seqs, [1] * 4, 0).input_ids.shape == (1, 85)  # no budget: one row
     assert batch_of({**spec, "attn_implementation": "flash_attention_2"}, seqs, [1] * 4, 0).input_ids.shape == (1, 85)
+
+
+def test_a_batch_counts_each_samples_tokens_the_forwarded_ones_and_every_position():
+    prompt = list(range(10, 20))  # a DPO pair: 10 prompt tokens, responses of 5 and 3
+    chosen, rejected = prompt + [31, 32, 33, 34, 35], prompt + [41, 42, 43]
+    one_row = batches.collate_pairs([chosen], [10], [rejected], [10], 0)
+    assert one_row.tokens() == batches.Tokens(samples=28, forwarded=18, positions=18)  # the prompt once
+    two_rows = batches.collate([chosen, rejected], [10, 10], 0)
+    assert two_rows.tokens() == batches.Tokens(28, 28, 30)  # the prompt twice, the shorter row padded to 15
+    packed = batches.collate([chosen, rejected, [7, 8]], [10, 10, 1], 0, packed=True, row_len=16)
+    assert packed.tokens() == batches.Tokens(30, 30, 2 * 15)  # rows [15] and [13 + 2]: no padding
+    assert one_row.tokens() + two_rows.tokens() == batches.Tokens(56, 46, 48)
