@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -258,10 +257,10 @@ class VLLMRollout:
             gpu["weight_transfer_config"] = {"backend": "ipc" if colocated else "nccl"}
         self.lora, self.lora_request, self.pending = lora, None, []
         if lora:
-            from rlhf_core.ppo.lora import vllm_max_rank
+            from rlhf_core.ppo.lora import adapter_root, vllm_max_rank
 
             gpu.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_rank(lora["lora_rank"]))
-            self.lora_root = tempfile.mkdtemp(prefix="rlhf-flows-lora-")  # one adapter folder at a time (_load_adapter)
+            self.lora_root = adapter_root()  # one adapter folder at a time (_load_adapter)
         self.llm = LLM(model=model_dir, dtype="bfloat16" if bf16 else "float32", enforce_eager=enforce_eager, seed=0,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",

@@ -44,6 +44,38 @@ def vllm_max_rank(rank: int) -> int:
     return fit[0]
 
 
+ADAPTERS = "rlhf-flows-lora-"
+
+
+def adapter_root() -> str:
+    """A new folder for a vLLM engine's synced adapters, in the temp folder and named for this process
+    (rlhf-flows-lora-<pid>-...). An engine killed mid-run (the stage kills its actors when it ends or fails) cannot
+    remove its own: each new one first removes the folders of this name whose process is gone, so at most the
+    folders of live engines remain. A folder whose process still runs (or runs under another user) is kept."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    for old in Path(tempfile.gettempdir()).glob(ADAPTERS + "*"):
+        pid = old.name[len(ADAPTERS):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{ADAPTERS}{os.getpid()}-")
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def write_adapter(pairs, folder, hp: dict) -> int:
     """The adapter a weight sync brought, as the PEFT folder vLLM's LoRA loader reads: (name, tensor) pairs named as
     in the learner's injected model (`model.layers.0.self_attn.q_proj.lora_A.default.weight`) saved as

@@ -123,3 +123,25 @@ def test_vllm_engines_serve_the_synced_adapter(tiny, tmp_path):
                               "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     config = json.loads((tmp_path / "served" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["down_proj", "q_proj"] and (config["r"], config["lora_alpha"]) == (4, 8)
+
+
+def test_a_new_vllm_engines_adapter_folder_removes_those_of_killed_engines_only(tmp_path, monkeypatch):
+    """An engine killed mid-run leaves its adapter folder behind; the next one removes every folder of that name
+    whose process is gone, and keeps a live process's and any other folder."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from rlhf_core.ppo import lora
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{lora.ADAPTERS}{int(gone.stdout)}-abcd"
+    live = tmp_path / f"{lora.ADAPTERS}{os.getppid()}-efgh"  # pytest's parent: running
+    other = tmp_path / "rlhf-flows-lora-notes"  # no pid: not an engine's
+    for d in (dead, live, other):
+        (d / "sync-3").mkdir(parents=True)
+    new = lora.adapter_root()
+    assert not dead.exists() and live.exists() and other.exists()
+    assert os.path.basename(new).startswith(f"{lora.ADAPTERS}{os.getpid()}-") and os.path.dirname(new) == str(tmp_path)
