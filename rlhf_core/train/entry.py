@@ -186,12 +186,12 @@ def token_figures(t: Tokens) -> dict[str, int]:
     return dict(zip(TOKEN_KEYS, (t.samples, t.forwarded, t.positions)))
 
 
-def all_ranks(t: Tokens, tp: int) -> Tokens:
+def all_ranks(t: Tokens, tp: int, device) -> Tokens:
     """`t` summed over every rank of the job; tensor-parallel ranks forwarded the same tokens (counted once), the
-    ranks of a ring group their own slices (summed)."""
+    ranks of a ring group their own slices (summed). On the engine's device: NCCL reduces CUDA tensors only."""
     import torch.distributed as dist
 
-    v = torch.tensor([t.samples, t.forwarded, t.positions], dtype=torch.float64)
+    v = torch.tensor([t.samples, t.forwarded, t.positions], dtype=torch.float64, device=device)
     dist.all_reduce(v)
     return Tokens(*(round(x / tp) for x in v.tolist()))
 
@@ -247,7 +247,7 @@ def evaluate(engine, spec: dict, method, records: list[dict], rank: int, world: 
             for name, v in met.items():
                 sums[name] = sums.get(name, 0.0) + float(v.sum())
     names = sorted(sums)
-    t = torch.tensor([sums[n] for n in names], dtype=torch.float64)
+    t = torch.tensor([sums[n] for n in names], dtype=torch.float64, device=engine.device)  # NCCL: CUDA tensors only
     dist.all_reduce(t)
     t /= dist.get_world_size() // world  # the ranks of a ring / tensor-parallel group evaluated the same records
     engine.train()
@@ -544,7 +544,7 @@ def main(spec_ref: str) -> None:
             engine.step()
             step_tokens += ntok
             parts.append(met)
-        step_tokens = all_ranks(step_tokens, tp)
+        step_tokens = all_ranks(step_tokens, tp, engine.device)
         tokens_done += step_tokens
         acc = step_figures(parts, getattr(method, "CLASS_MEANS", {}))
         history.append({"step": step + 1, "samples": plan.batch(step), "lr": lr, **acc, **token_figures(step_tokens)})
