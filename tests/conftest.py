@@ -445,13 +445,13 @@ def zoo(tmp_path_factory):
 def kill_training_jobs() -> list[int]:
     """SIGKILL every trainer job this process launched (each launcher in its own session: its whole group, the
     ranks with it); the launchers' pids."""
-    import psutil
+    from rlhf_core.runtime import jobs
 
     killed = []
-    for child in psutil.Process().children():
-        if "rlhf_core.train.entry" in " ".join(child.cmdline()):
-            os.killpg(child.pid, signal.SIGKILL)
-            killed.append(child.pid)
+    for pid, cmd in jobs.running().items():  # launched or forked (rlhf_core.runtime.forkserver): each its own group
+        if "rlhf_core.train.entry" in cmd:
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
     return killed
 
 

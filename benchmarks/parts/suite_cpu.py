@@ -22,6 +22,7 @@ HZ = os.sysconf("SC_CLK_TCK")
 KINDS = [  # (substring of the command line, kind): the first that matches
     ("rlhf_core.train.entry", "trainer job"), ("rlhf_core/train/entry", "trainer job"),
     ("rlhf_core.train.reference", "reference job"), ("rlhf_core/train/reference", "reference job"),
+    ("rlhf_core.runtime.forkserver", "forked jobs and their server"),  # one-process jobs on a host without a GPU
     ("default_worker.py", "Ray worker (actors)"), ("ray::", "Ray worker (actors)"),
     ("raylet", "Ray system"), ("gcs_server", "Ray system"), ("ray/dashboard", "Ray system"), ("log_monitor", "Ray system"),
     ("autoscaler", "Ray system"), ("runtime_env", "Ray system"),

@@ -149,8 +149,8 @@ def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tai
     Raises JobFailed on a non-zero exit, JobStalled (naming `what`) after `stall_timeout_s` without an
     output line; kills the child's process group on any exception here."""
     log.info("launching: %s", " ".join(cmd))
-    proc = subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True, env=env, cwd=cwd)
+    proc = _start(cmd, env, cwd)
+    _running[proc.pid] = cmd
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
@@ -172,9 +172,34 @@ def run_job(cmd: list[str], env: dict | None = None, cwd: str | None = None, tai
     except BaseException:
         kill_group(proc)
         raise
+    finally:
+        _running.pop(proc.pid, None)
     if rc != 0:
         raise JobFailed(cmd, rc, list(tail))
     return list(tail)
+
+
+_running: dict[int, list[str]] = {}  # pid (its process group) -> command of each job run_job is watching
+
+
+def running() -> dict[int, list[str]]:
+    """The jobs this process is running now: {pid: command}; each pid is its job's process group (kill_group)."""
+    return dict(_running)
+
+
+def _start(cmd: list[str], env: dict | None, cwd: str | None):
+    """The job's process: forked from the warm fork server where that is safe (rlhf_core.runtime.forkserver: a
+    one-process job on a host without a GPU), else launched; either runs in its own session."""
+    from rlhf_core.runtime import forkserver
+
+    env = dict(os.environ) if env is None else env
+    if forkserver.wanted(cmd, env):
+        try:
+            return forkserver.spawn(cmd, env, cwd)
+        except OSError as e:
+            log.warning("job fork server failed (%s): launching the job as a new process", e)
+    return subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True, env=env, cwd=cwd)
 
 
 def _pump(stream, lines: queue.Queue) -> None:

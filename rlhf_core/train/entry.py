@@ -587,6 +587,7 @@ def main(spec_ref: str) -> None:
         (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(result))
         print(f"done: {result['steps_done']}/{total} steps, {result['samples_seen']} samples", flush=True)
     dist.barrier()
+    dist.destroy_process_group()  # not left to the interpreter's exit, where gloo's threads can abort the process
 
 
 if __name__ == "__main__":

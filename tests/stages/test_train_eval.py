@@ -2,9 +2,7 @@
 (issue 24, part B): real jobs through the dpo and sft stages on the tiny model, pure checks beside them."""
 import json
 import math
-import os
 import shutil
-import signal
 import threading
 import time
 
@@ -19,7 +17,7 @@ from rlhf_core.runtime import faults
 from rlhf_core.runtime.jobs import JobFailed
 from rlhf_core.train import batches, checkpoints, entry, launch, schedule
 from stages import dpo, reference, sft
-from tests.conftest import tb_scalars
+from tests.conftest import kill_training_jobs, tb_scalars
 
 
 def committed_rows(uri, kind, rows):
@@ -155,7 +153,6 @@ def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, 
     """eval_holdout 0.2 of 40 rows: 8 rows never trained on, evaluated at each epoch's end (eval_steps unset,
     OpenRLHF's -1). The job is killed after its step-4 checkpoint (after epoch 1's eval); the rerun resumes and
     the history holds each evaluation once. eval_nll equals the saved model's NLL on the held-out rows."""
-    import psutil
 
     uri = committed_rows(f"{s3_root}/sft-data", "sft", demo_task.sft_rows(40, 0))
     out = f"{s3_root}/sft-eval"
@@ -171,10 +168,7 @@ def test_sft_holdout_evaluates_each_epoch_and_a_resume_keeps_eval_history(tiny, 
             if ck:
                 break
             time.sleep(0.2)
-        for child in psutil.Process().children():
-            if "rlhf_core.train.entry" in " ".join(child.cmdline()):
-                os.killpg(child.pid, signal.SIGKILL)
-                killed.append(child.pid)
+        killed.extend(kill_training_jobs())
 
     th = threading.Thread(target=killer, daemon=True)
     th.start()

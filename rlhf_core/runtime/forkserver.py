@@ -1,0 +1,306 @@
+"""One-process jobs forked from a warm process, on hosts without a GPU.
+
+A one-process trainer job (`python -u -m rlhf_core.train.entry SPEC`, rlhf_core.runtime.jobs) spends most of a short
+run importing torch, transformers and DeepSpeed: about 4.5 of the ~6 CPU-seconds of a tiny sft job on these CPUs
+(docs/testing.md). A pipeline of many small stages, and the test suite, pay that for every job. Here a server process
+imports them once (`PRELOAD`) and forks each job from itself, as Python's multiprocessing "forkserver" does:
+
+    run_job -> Server.spawn(argv, env, cwd) --(AF_UNIX, the job's output pipe passed along)--> server: fork()
+    the forked job: own session (its pid is its process group, as a launched job's is), the job's environment, cwd,
+    argv and output pipe; `runpy` runs the module as `python -m` would; its exit status goes back to run_job.
+
+What a forked job shares with a launched one: the same module run in a process of its own, its output line by line,
+a non-zero exit or a signal as the exit status, its process group killed on any exception in the caller, SIGTERM
+when the server goes (the server exits when the process that started it does). What differs: `ps` shows the
+server's command line for it (`python -m rlhf_core.runtime.forkserver`), and the preloads' own import warnings are in
+the server's output, not the job's.
+
+Used only where it is safe to fork after these imports: no GPU visible (CUDA cannot be used in a forked child of a
+process that touched it, and a GPU job's start is small beside its run), the job's environment the one the server
+was started with (libgomp, huggingface_hub and DeepSpeed read theirs at import: a job with another environment
+gets a server of its own; `VOLATILE` lists the variables nothing here reads at import). RLHF_FLOWS_FORKSERVER=0
+launches every job as a new process instead.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+log = logging.getLogger("rlhf_flows")
+
+SWITCH = "RLHF_FLOWS_FORKSERVER"
+# imported once by the server (what a trainer or reference job imports before its first step)
+PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "transformers", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "s3fs", "pyarrow.parquet",
+           "rlhf_core.train.entry", "rlhf_core.train.reference", "rlhf_core.train.methods")
+# variables read while a job runs, never at import: a job whose environment differs from the server's only in these
+# is forked from it (pytest names the running test in PYTEST_CURRENT_TEST)
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+
+def wanted(cmd: list[str], env: dict) -> bool:
+    """Fork this job? `python -u -m MODULE ...` with this interpreter, no GPU visible, the switch not 0."""
+    if env.get(SWITCH, os.environ.get(SWITCH, "1")) == "0":
+        return False
+    if len(cmd) < 4 or cmd[:3] != [sys.executable, "-u", "-m"]:
+        return False
+    return not _gpu_visible(env)
+
+
+def _gpu_visible(env: dict) -> bool:
+    if env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(name.startswith("nvidia") and name[6:].isdigit() for name in _listdir("/dev")) or \
+        any(name.startswith("renderD") for name in _listdir("/dev/dri")) or os.path.exists("/dev/kfd")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _key(env: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
+
+
+_servers: dict[tuple, "Server"] = {}
+_lock = threading.Lock()
+
+
+def spawn(cmd: list[str], env: dict, cwd: str | None) -> "Forked":
+    """Fork `cmd` (`python -u -m MODULE ARGS`) from the server for `env` (started on first use)."""
+    key = _key(env)
+    with _lock:
+        server = _servers.get(key)
+        if server is None or not server.alive():
+            idle = [k for k, s in _servers.items() if not s.jobs]
+            if len(_servers) >= 2 and idle:  # a third environment: the oldest idle server goes (a busy one stays)
+                _servers.pop(idle[0]).close()
+            server = _servers[key] = Server(env)
+    return server.spawn(cmd[3], cmd[4:], env, cwd or os.getcwd())
+
+
+class Forked:
+    """A forked job as run_job sees it: pid (its process group), stdout (its output, text), wait() -> exit status
+    (negative: the signal that ended it)."""
+
+    def __init__(self, sock: socket.socket, stdout, server: "Server"):
+        self._sock, self.stdout, self.returncode, self._server = sock, stdout, None, server
+        self._buf = b""
+        reply = self._message(None)
+        if "pid" not in reply:
+            raise OSError(f"the job fork server could not start the job: {reply.get('error', 'no reply')}")
+        self.pid = reply["pid"]
+
+    def _message(self, timeout: float | None) -> dict:
+        self._sock.settimeout(timeout)
+        while b"\n" not in self._buf:
+            chunk = self._sock.recv(4096)
+            if not chunk:  # the server went away with the job's status unsent: the job went with it (SIGTERM)
+                return {"rc": -signal.SIGTERM}
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self._message(timeout)["rc"]
+            except socket.timeout:
+                raise subprocess.TimeoutExpired(f"forked job {self.pid}", timeout) from None
+            self._sock.close()
+            self._server.jobs.discard(self.pid)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class Server:
+    """The caller's handle on one server process (started with `env`, the preloads imported there)."""
+
+    def __init__(self, env: dict):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._ctrl, self._lock, self.jobs = mine, threading.Lock(), set()  # jobs: pids of its jobs not yet reaped
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.runtime.forkserver", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=2, start_new_session=True)  # its own output (imports' warnings): stderr
+        theirs.close()
+        log.info("job fork server %d started (preloading %s)", self.proc.pid, ", ".join(PRELOAD))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, module: str, args: list[str], env: dict, cwd: str) -> Forked:
+        r, w = os.pipe()
+        mine, theirs = socket.socketpair()
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd}).encode()
+        try:
+            with self._lock:
+                socket.send_fds(self._ctrl, [request], [w, theirs.fileno()])
+        finally:
+            os.close(w)
+            theirs.close()
+        job = Forked(mine, os.fdopen(r, "r", buffering=1), self)
+        self.jobs.add(job.pid)
+        return job
+
+    def close(self) -> None:
+        """Stop the server: it exits when its socket closes (jobs it forked get SIGTERM, as a launched job does
+        when its launcher goes)."""
+        self._ctrl.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@atexit.register
+def _close_all() -> None:
+    for server in list(_servers.values()):
+        server.close()
+    _servers.clear()
+
+
+# ---- the server process -------------------------------------------------------------------------------------------
+
+def serve(fd: int) -> None:
+    """Import PRELOAD, then fork a job for each request on socket `fd` until it closes; each job's pid, then its
+    exit status, go back on the job's own socket."""
+    import importlib
+
+    ctrl = socket.socket(fileno=fd)
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # an optional dependency missing here: the job imports (and fails on) it itself
+            print(f"rlhf-flows fork server: not preloaded {name}: {e!r}", file=sys.stderr, flush=True)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    running: dict[int, socket.socket] = {}
+    try:
+        while True:
+            ready = _select([ctrl, wake_r])
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+            _reap(running)
+            if ctrl in ready:
+                msg, fds, _, _ = socket.recv_fds(ctrl, 1 << 22, 2)
+                if not msg:  # the caller closed its end or exited
+                    break
+                req = json.loads(msg)
+                out_fd, job_fd = fds
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(req, out_fd, closing=(ctrl.fileno(), job_fd, wake_r, wake_w, *(s.fileno() for s in running.values())))
+                os.close(out_fd)
+                running[pid] = socket.socket(fileno=job_fd)
+                running[pid].sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    finally:
+        for pid in running:  # the caller is gone: so are its jobs (a launched job's guard does the same)
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _select(fds: list) -> list:
+    while True:
+        try:
+            return select.select(fds, [], [])[0]
+        except InterruptedError:
+            continue
+
+
+def _reap(running: dict) -> None:
+    while running:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock = running.pop(pid, None)
+        if sock is not None:
+            try:
+                sock.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            except OSError:
+                pass
+            sock.close()
+
+
+def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
+    """In the forked child: become the job (session, death signal, output, cwd, environment, argv), run its module as
+    `python -u -m` does and exit with its status. Never returns."""
+    import ctypes
+    import io
+    import random
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        server = os.getppid()
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the server's death ends it
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != server:
+            os._exit(1)
+        for fd in closing:
+            os.close(fd)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
+        sys.argv = [req["module"], *req["args"]]
+        random.seed()
+        try:
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+        threading._shutdown()  # what the interpreter does at exit: wait for non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

@@ -1,0 +1,135 @@
+"""One-process jobs forked from the warm fork server (rlhf_core.runtime.forkserver) through jobs.run_job: the job
+runs as `python -u -m` would run it (argv, cwd, its environment, output line by line, exit status, its own process
+group), without importing what the server preloaded, the server reused for the same environment, and a job killed
+or orphaned goes as a launched one does."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.runtime import forkserver, jobs
+
+PROBE = '''
+import json, os, sys, time
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"), "torch": "torch" in sys.modules,
+                  "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "path0": sys.path[0]}))
+what = sys.argv[1] if sys.argv[1:] else ""
+if what == "exit3":
+    raise SystemExit(3)
+if what == "raise":
+    raise ValueError("the probe broke")
+if what == "sleep":
+    print("sleeping", flush=True)
+    time.sleep(60)
+print("to stderr", file=sys.stderr)
+'''
+
+
+def probe(tmp_path: Path) -> Path:
+    (tmp_path / "fs_probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def facts(lines: list[str]) -> dict:
+    return json.loads(next(line for line in lines if line.startswith("{")))
+
+
+def cmd(*args: str) -> list[str]:
+    return [sys.executable, "-u", "-m", "fs_probe", *args]
+
+
+def test_a_forked_job_runs_as_python_m_would_and_the_server_serves_the_next(tmp_path, monkeypatch):
+    monkeypatch.delenv(forkserver.SWITCH, raising=False)
+    cwd = str(probe(tmp_path))
+    env = jobs.job_env(1, {"PROBE": "one"})
+    assert forkserver.wanted(cmd(), env)  # no GPU on this host
+
+    lines = jobs.run_job(cmd("a", "b c"), env=env, cwd=cwd)
+    first = facts(lines)
+    assert first["argv"] == ["a", "b c"] and first["cwd"] == cwd and first["path0"] == cwd and first["probe"] == "one"
+    assert first["torch"], "the server preloads torch: the job does not import it again"
+    assert first["pgid"] == first["pid"], "each job is its own process group (kill_group kills it)"
+    assert first["ppid"] != os.getpid() and lines[-1] == "to stderr"  # stdout and stderr, in order
+
+    # the same environment but for the variables read at run time only: the same server, a new process
+    second = facts(jobs.run_job(cmd(), env={**env, "PYTEST_CURRENT_TEST": "another"}, cwd=cwd))
+    assert second["ppid"] == first["ppid"] and second["pid"] != first["pid"]
+
+    # exit statuses and a traceback, as a launched job's
+    with pytest.raises(jobs.JobFailed, match="exit code 3"):
+        jobs.run_job(cmd("exit3"), env=env, cwd=cwd)
+    with pytest.raises(jobs.JobFailed, match="exit code 1") as failed:
+        jobs.run_job(cmd("raise"), env=env, cwd=cwd)
+    assert failed.value.tail[-1] == "ValueError: the probe broke"
+
+    # killed by its process group, found in jobs.running() (how the tests that kill a job mid-run find it)
+    def kill_when_sleeping():
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            for pid, c in jobs.running().items():
+                if c[-1] == "sleep":
+                    time.sleep(0.5)
+                    os.killpg(pid, signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_when_sleeping, daemon=True).start()
+    with pytest.raises(jobs.JobFailed, match="killed by signal 9"):
+        jobs.run_job(cmd("sleep"), env=env, cwd=cwd, on_line=lambda line: None)
+    assert not jobs.running()
+
+    # another environment (another OpenMP setting: read at import) gets a server of its own
+    other = facts(jobs.run_job(cmd(), env={**env, "OMP_NUM_THREADS": "1", "PROBE": "two"}, cwd=cwd))
+    assert other["probe"] == "two" and other["ppid"] not in (first["ppid"], os.getpid())
+
+    # switched off: launched as a new process (the guard execs it: its parent is this process)
+    launched = facts(jobs.run_job(cmd(), env={**env, forkserver.SWITCH: "0"}, cwd=cwd))
+    assert launched["ppid"] == os.getpid() and not launched["torch"]
+
+
+def test_which_jobs_are_forked():
+    env = {"PATH": os.environ.get("PATH", "")}
+    assert forkserver.wanted([sys.executable, "-u", "-m", "rlhf_core.train.entry", "spec.json"], env)
+    assert not forkserver.wanted([sys.executable, "-u", "-m", "rlhf_core.train.entry"], {**env, forkserver.SWITCH: "0"})
+    assert not forkserver.wanted([sys.executable, "-c", "print(1)"], env)  # only `-u -m MODULE`
+    assert not forkserver.wanted(["/other/python", "-u", "-m", "rlhf_core.train.entry", "s"], env)  # another interpreter
+    ds = jobs.launcher_command("rlhf_core.train.entry", ["s"], "deepspeed", 2)
+    assert not forkserver.wanted(ds, env)  # several ranks: DeepSpeed's launcher starts them
+
+
+@pytest.mark.slow
+def test_a_forked_job_and_its_server_go_when_the_process_that_ran_it_is_killed(tmp_path):
+    """SIGKILL the caller (a flow process) mid-job: the server sees its socket close and goes, the job with it (as a
+    launched job's guard ends it when its launcher dies)."""
+    cwd = probe(tmp_path)
+    caller = ("import sys\nfrom rlhf_core.runtime import jobs\n"
+              f"jobs.run_job({cmd('sleep')!r}, env=jobs.job_env(1), cwd={str(cwd)!r}, on_line=lambda l: print(l, flush=True))\n")
+    proc = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != forkserver.SWITCH})
+    try:
+        job = facts([proc.stdout.readline()])
+        assert proc.stdout.readline().strip() == "sleeping"
+        server = job["ppid"]
+        assert server != proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() and _alive(p) for p in (job["pid"], server)):
+        time.sleep(0.1)
+    assert not _alive(job["pid"]) and not _alive(server)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
