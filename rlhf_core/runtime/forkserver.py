@@ -42,8 +42,8 @@ PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "transformers", "transformers.
            "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "s3fs", "pyarrow.parquet",
            "rlhf_core.train.entry", "rlhf_core.train.reference", "rlhf_core.train.methods")
 # variables read while a job runs, never at import: a job whose environment differs from the server's only in these
-# is forked from it (pytest names the running test in PYTEST_CURRENT_TEST)
-VOLATILE = ("PYTEST_CURRENT_TEST",)
+# is forked from it (each run's lock, rlhf_core/store/fence.py; pytest names the running test in PYTEST_CURRENT_TEST)
+VOLATILE = ("RLHF_FLOWS_FENCE", "PYTEST_CURRENT_TEST")
 
 
 def wanted(cmd: list[str], env: dict) -> bool:
