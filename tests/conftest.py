@@ -340,46 +340,59 @@ def _ray_per_test(request):
         pytest.fail(f"the test left in the file's Ray: {', '.join(left)} (a stage must release what it started)")
 
 
-# ------------------------------------------------------------------------------------------ the two workers' work
+# ------------------------------------------------------------------------------------------------ the workers' work
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker more than the cores (3 on CI's 2; pyproject's --maxprocesses caps it). A worker waits about
+    a fifth of its time (a kill waiting for a checkpoint, a server's start, a poll): one worker per core left that much
+    of the cores idle (1.56 of 2 cores busy on average, 1,507 s; with 3 workers 1.82 and 1,382 s, 2026-11-29)."""
+    return (os.cpu_count() or 1) + 1
+
+
 # pytest-xdist (`--dist loadgroup --no-loadscope-reorder`) hands each worker one group at a time, in the order below:
 # the longest first (LPT: the groups that are left are short, so the workers end together). A group is a file (its
 # module fixtures are built once) except in the files of SPLIT, whose tests share only run-wide fixtures: each of their
 # tests is a group of its own. The order comes from pytest's slowest-tests table (--durations, docs/testing.md): a
 # file missing here runs after these, in collection order.
-LONGEST_FIRST = [  # seconds per group in a 2-worker run on 2 cores, 2026-11-28 (`--durations=0`)
-    "flows/test_loops.py::demo",  # 195 (the demo run's 150): the first to ask for the demo run builds it
-    "stages/test_ppo.py",  # 417
-    "flows/test_deployment.py",  # 340
-    "stages/test_model_zoo.py",  # 279
-    "test_gpu_scripts.py",  # 222
-    "flows/test_pools.py",  # 161
-    "flows/test_ppo_flow.py",  # 146
-    "flows/test_configs.py",  # 136
-    "stages/test_lora_zero3.py",  # 129
-    "flows/test_resume.py",  # 118
-    "rlhf_core/ppo/test_hybrid_moments.py",  # 191 before its two-steps and resume runs became one
-    "flows/test_promotion.py",  # 97
-    "flows/test_loops.py::test_conditional_sft_learns_to_follow_its_condition_on_s3",  # 95
-    "flows/test_watch.py",  # 84
-    "rlhf_core/runtime/test_niceness.py",  # 83
-    "stages/test_sft.py",  # 81
-    "rlhf_core/train/test_scale.py",  # 77
-    "rlhf_core/ppo/test_weight_sync.py",  # 68
-    "stages/test_pipeline_generate_score_filter.py",  # 64
-    "flows/test_loops.py::test_raft_with_a_process_reward_model_raises_gold_reward",  # 56
-    "flows/test_loops.py::test_raft_raises_gold_reward_on_s3",  # 52
-    "flows/test_import_openrlhf.py",  # 51
-    "stages/test_multinode.py",  # 50
-    "rlhf_core/ppo/test_fake_cluster.py",  # 48
-    "stages/test_ray_jobs.py",  # 47
-    "rlhf_core/ppo/test_learner_step.py",  # 46
-    "stages/test_ppo_lora.py",  # 45
-    "stages/test_dpo.py",  # 44
-    "stages/test_kto.py", "test_slurm.py", "stages/test_ppo_eval.py",  # 34, 34, 33
+LONGEST_FIRST = [  # seconds per group in a 3-worker run on 2 cores, 2026-11-29 (`--durations=0`)
+    "flows/test_loops.py::demo",  # 201: the first to ask for the demo run builds it
+    "flows/test_deployment.py",  # 464
+    "stages/test_ppo.py",  # 407
+    "test_gpu_scripts.py",  # 238
+    "flows/test_pools.py",  # 214
+    "flows/test_resume.py",  # 163
+    "flows/test_ppo_flow.py",  # 155
+    "flows/test_watch.py",  # 133
+    "flows/test_loops.py::test_conditional_sft_learns_to_follow_its_condition_on_s3",  # 132
+    "stages/test_model_zoo.py",  # 127
+    "flows/test_configs.py",  # 114
+    "rlhf_core/ppo/test_hybrid_moments.py",  # 111
+    "stages/test_lora_zero3.py",  # 108
+    "flows/test_promotion.py",  # 106
+    "rlhf_core/train/test_scale.py",  # 98
+    "rlhf_core/ppo/test_fake_cluster.py",  # 92
+    "stages/test_ppo_lora.py",  # 78
+    "rlhf_core/runtime/test_niceness.py",  # 77
+    "stages/test_ray_jobs.py",  # 62
+    "stages/test_multinode.py",  # 58
+    "rlhf_core/ppo/test_weight_sync.py",  # 58
+    "flows/test_loops.py::test_raft_with_a_process_reward_model_raises_gold_reward",  # 53
+    "stages/test_pipeline_generate_score_filter.py",  # 51
+    "stages/test_kto.py",  # 51
+    "test_packaging.py",  # 50
+    "flows/test_import_openrlhf.py",  # 48
+    "flows/test_credentials.py",  # 40
+    "test_slurm.py",  # 40
+    "stages/test_ppo_eval.py",  # 34
     "flows/test_loops.py::test_iterative_loop_with_kto_raises_gold_reward_on_s3",  # 32
-    "stages/test_train_eval.py", "test_packaging.py", "stages/test_ppo_distill.py", "flows/test_credentials.py",  # 26-31
-    "flows/test_loops.py::test_raft_with_trainer_kd_distills_from_the_teacher_each_iteration",  # 26
-    "stages/test_hub_stages.py", "rlhf_core/store/test_versions_kept.py", "rlhf_core/rollout/test_engine_faults.py",
+    "stages/test_ppo_distill.py",  # 31
+    "rlhf_core/ppo/test_learner_step.py",  # 31
+    "stages/test_sft.py",  # 30
+    "flows/test_loops.py::test_raft_raises_gold_reward_on_s3",  # 29
+    "flows/test_loops.py::test_raft_with_trainer_kd_distills_from_the_teacher_each_iteration",  # 28
+    "stages/test_dpo.py",  # 26
+    "stages/test_hub_stages.py",  # 24
+    "rlhf_core/runtime/test_forkserver.py",  # 22
+    "rlhf_core/store/test_versions_kept.py",  # 21
     "flows/test_loops.py",
 ]
 SPLIT = {"test_loops.py"}

@@ -204,7 +204,10 @@ def _ray_up(ray_address: str | None, object_store_bytes: int = 0) -> bool:
     """Connect to Ray; True when we started it (and so must shut it down). A local Ray's object store holds
     max(200 MB, object_store_bytes): the ppo stage asks for room for its weight sync, which would otherwise
     spill to disk every step. Its workers run at this process's niceness, not Ray's 15 (runtime.niceness; each actor
-    the stages start also carries the setting, for a cluster joined by address)."""
+    the stages start also carries the setting, for a cluster joined by address). It prestarts no workers: Ray's
+    prestarted ones have no runtime_env, and every actor the stages start has one (that niceness, OpenMP settings),
+    so they were started and stopped unused (0.5-0.9 CPU-s of each local Ray's start and stop on these 2 cores,
+    benchmarks/parts/ray_cycle.py)."""
     import ray
 
     from rlhf_core.runtime import niceness
@@ -217,7 +220,8 @@ def _ray_up(ray_address: str | None, object_store_bytes: int = 0) -> bool:
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
                  object_store_memory=max(200 * 1024 ** 2, object_store_bytes), log_to_driver=True,
-                 _system_config=niceness.system_config())
+                 _system_config={**niceness.system_config(), "prestart_worker_first_driver": False,
+                                 "enable_worker_prestart": False})
     return True
 
 

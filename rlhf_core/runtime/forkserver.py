@@ -253,6 +253,7 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
     import random
     import runpy
     import traceback
+    import warnings
 
     code = 1
     try:
@@ -279,6 +280,8 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
         sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
         sys.argv = [req["module"], *req["args"]]
         random.seed()
+        # the server imported the module already (PRELOAD); running it as __main__ is what `python -m` does
+        warnings.filterwarnings("ignore", message=".* found in sys.modules after import of package", category=RuntimeWarning)
         try:
             runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
             code = 0

@@ -131,14 +131,16 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path, mon
         deadline = time.time() + 300
         while time.time() < deadline and not fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"):
             time.sleep(0.2)
-        while time.time() < deadline and len(live.get("sft/loss", ())) < 7:  # TensorBoard events while the job runs
+        # TensorBoard events while the job runs; the kill lands after an odd step (a checkpoint follows each even one:
+        # none is being written or pruned then), in the next step's sleep
+        while time.time() < deadline and (len(steps := live.get("sft/loss", ())) < 7 or len(steps) % 2 == 0):
             live.update(tb_scalars(store.cache_root() / "jobs" / _fp(cfg) / "tracking"))
-            time.sleep(0.2)
+            time.sleep(0.1)
         killed.extend(kill_training_jobs())
 
     th = threading.Thread(target=killer, daemon=True)
     th.start()
-    monkeypatch.setenv(faults.STEP_SLEEP, "0.4")  # slow steps: the kill lands mid-run
+    monkeypatch.setenv(faults.STEP_SLEEP, "0.8")  # slow steps: the kill lands mid-run
     with pytest.raises(JobFailed, match="killed by signal 9"):
         sft.run(cfg)
     monkeypatch.delenv(faults.STEP_SLEEP)

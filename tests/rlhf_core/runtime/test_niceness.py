@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +122,18 @@ class Probe:
     def spin(self, items: list) -> list:
         return [os.environ.get("GOMP_SPINCOUNT") for _ in items]
 
+    def workers(self, items: list) -> list:
+        """The Ray workers on this machine by process title (ray::IDLE: started and waiting for work)."""
+        titles = []
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode() if d.name.isdigit() else ""
+            except (OSError, ValueError):
+                continue
+            if cmd.startswith("ray::") and not cmd.endswith("Agent"):  # not Ray's dashboard / runtime_env agents
+                titles.append(cmd.split()[0])
+        return [sorted(titles) for _ in items]
+
 
 def threads_nice(actor) -> list[int]:
     import ray
@@ -145,6 +158,8 @@ def test_engines_on_a_local_ray_run_at_the_drivers_niceness(monkeypatch):
     assert [max(g) for g in got] == [cap(N0 + RAY_DEFAULT)] * 2
     # the engines' OpenMP threads spin briefly at a barrier (niceness.omp_env), whatever the niceness setting
     assert generation.run_engines(Probe, (), "spin", [0], {}, num_engines=1) == ["1000"]
+    # no worker prestarted beside the engine: Ray's would have no runtime_env, never an engine's (_ray_up)
+    assert generation.run_engines(Probe, (), "workers", [0], {}, num_engines=1) == [["ray::Probe.workers"]]
 
 
 def test_processes_that_compute_spin_briefly_at_an_openmp_barrier_unless_the_user_said(monkeypatch):
