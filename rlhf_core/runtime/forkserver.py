@@ -18,7 +18,8 @@ the server's output, not the job's.
 Used only where it is safe to fork after these imports: no GPU visible (CUDA cannot be used in a forked child of a
 process that touched it, and a GPU job's start is small beside its run), the job's environment the one the server
 was started with (libgomp, huggingface_hub and DeepSpeed read theirs at import: a job with another environment
-gets a server of its own; `VOLATILE` lists the variables nothing here reads at import). RLHF_FLOWS_FORKSERVER=0
+gets a server of its own, and the idle servers of other environments stop, the variables that differ named in the log;
+`VOLATILE` lists the variables nothing here reads at import). RLHF_FLOWS_FORKSERVER=0
 launches every job as a new process instead.
 """
 from __future__ import annotations
@@ -83,11 +84,18 @@ def spawn(cmd: list[str], env: dict, cwd: str | None) -> "Forked":
     with _lock:
         server = _servers.get(key)
         if server is None or not server.alive():
-            idle = [k for k, s in _servers.items() if not s.jobs]
-            if len(_servers) >= 2 and idle:  # a third environment: the oldest idle server goes (a busy one stays)
-                _servers.pop(idle[0]).close()
+            for k in [k for k, s in _servers.items() if not s.jobs]:  # idle servers (of other environments) go
+                if k != key:
+                    log.info("job fork server %d stopped: the next job's environment differs from its own in %s",
+                             _servers[k].proc.pid, ", ".join(_changed(dict(k), dict(key))))
+                _servers.pop(k).close()
             server = _servers[key] = Server(env)
     return server.spawn(cmd[3], cmd[4:], env, cwd or os.getcwd())
+
+
+def _changed(a: dict, b: dict) -> list[str]:
+    """The names (not the values: they may be secrets) of the variables that differ between two environments."""
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
 class Forked:

@@ -131,10 +131,13 @@ def test_sigkill_mid_run_resumes_from_s3_checkpoint(tiny, s3_root, tmp_path, mon
         deadline = time.time() + 300
         while time.time() < deadline and not fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}"):
             time.sleep(0.2)
-        # TensorBoard events while the job runs; the kill lands after an odd step (a checkpoint follows each even one:
-        # none is being written or pruned then), in the next step's sleep
-        while time.time() < deadline and (len(steps := live.get("sft/loss", ())) < 7 or len(steps) % 2 == 0):
+        # TensorBoard events while the job runs; the kill lands once step 6's checkpoint is committed and step 2's
+        # pruned (the store holds exactly two), two slow steps before the next save: not while one is being written
+        while time.time() < deadline:
             live.update(tb_scalars(store.cache_root() / "jobs" / _fp(cfg) / "tracking"))
+            kept = {int(p.rsplit("/", 2)[-2][5:]) for p in fs.glob(f"{path}/checkpoints/*/{checkpoints.MARKER}")}
+            if len(kept) == 2 and max(kept) >= 6 and len(live.get("sft/loss", ())) >= 2:
+                break
             time.sleep(0.1)
         killed.extend(kill_training_jobs())
 

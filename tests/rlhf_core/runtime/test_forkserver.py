@@ -90,6 +90,7 @@ def test_a_forked_job_runs_as_python_m_would_and_the_server_serves_the_next(tmp_
     # another environment (another OpenMP setting: read at import) gets a server of its own
     other = facts(jobs.run_job(cmd(), env={**env, "OMP_NUM_THREADS": "1", "PROBE": "two"}, cwd=cwd))
     assert other["probe"] == "two" and other["ppid"] not in (first["ppid"], os.getpid())
+    assert not _alive(first["ppid"]), "the idle server of the first environment stopped"
 
     # switched off: launched as a new process (the guard execs it: its parent is this process)
     launched = facts(jobs.run_job(cmd(), env={**env, forkserver.SWITCH: "0"}, cwd=cwd))

@@ -123,12 +123,15 @@ class Probe:
         return [os.environ.get("GOMP_SPINCOUNT") for _ in items]
 
     def workers(self, items: list) -> list:
-        """The Ray workers on this machine by process title (ray::IDLE: started and waiting for work)."""
+        """The workers of this Ray node (the raylet's children: other tests' Rays may run beside it) by process title
+        (ray::IDLE: started and waiting for work)."""
         titles = []
         for d in Path("/proc").iterdir():
             try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode() if d.name.isdigit() else ""
-            except (OSError, ValueError):
+                if not d.name.isdigit() or int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1]) != os.getppid():
+                    continue
+                cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode()
+            except (OSError, ValueError, IndexError):
                 continue
             if cmd.startswith("ray::") and not cmd.endswith("Agent"):  # not Ray's dashboard / runtime_env agents
                 titles.append(cmd.split()[0])
