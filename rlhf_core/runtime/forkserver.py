@@ -45,6 +45,9 @@ PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "transformers", "transformers.
 # variables read while a job runs, never at import: a job whose environment differs from the server's only in these
 # is forked from it (each run's lock, rlhf_core/store/fence.py; pytest names the running test in PYTEST_CURRENT_TEST)
 VOLATILE = ("RLHF_FLOWS_FENCE", "PYTEST_CURRENT_TEST")
+# ... and the variables of libraries the server does not import (a stage that starts Ray sets RAY_AUTH_MODE in its
+# process: its later jobs are forked from the same server)
+VOLATILE_PREFIXES = ("RAY_", "VLLM_")
 
 
 def wanted(cmd: list[str], env: dict) -> bool:
@@ -71,7 +74,7 @@ def _listdir(path: str) -> list[str]:
 
 
 def _key(env: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
+    return tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE and not k.startswith(VOLATILE_PREFIXES)))
 
 
 _servers: dict[tuple, "Server"] = {}
