@@ -43,8 +43,9 @@ PRELOAD = ("torch", "deepspeed", "deepspeed.ops", "transformers", "transformers.
            "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "s3fs", "pyarrow.parquet",
            "rlhf_core.train.entry", "rlhf_core.train.reference", "rlhf_core.train.methods")
 # variables read while a job runs, never at import: a job whose environment differs from the server's only in these
-# is forked from it (each run's lock, rlhf_core/store/fence.py; pytest names the running test in PYTEST_CURRENT_TEST)
-VOLATILE = ("RLHF_FLOWS_FENCE", "PYTEST_CURRENT_TEST")
+# is forked from it (each run's lock, rlhf_core/store/fence.py; pytest names the running test in PYTEST_CURRENT_TEST;
+# breakpoint() reads PYTHONBREAKPOINT at each call, and ray.init sets it in the process that starts Ray)
+VOLATILE = ("RLHF_FLOWS_FENCE", "PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT")
 # ... and the variables of libraries the server does not import (a stage that starts Ray sets RAY_AUTH_MODE in its
 # process: its later jobs are forked from the same server)
 VOLATILE_PREFIXES = ("RAY_", "VLLM_")

@@ -62,7 +62,7 @@ def test_a_forked_job_runs_as_python_m_would_and_the_server_serves_the_next(tmp_
 
     # the same environment but for the variables read at run time only: the same server, a new process
     second = facts(jobs.run_job(cmd(), env={**env, "PYTEST_CURRENT_TEST": "another", store.FENCE_ENV: "{}",
-                                            "RAY_AUTH_MODE": "disabled"}, cwd=cwd))
+                                            "RAY_AUTH_MODE": "disabled", "PYTHONBREAKPOINT": "x.y"}, cwd=cwd))
     assert second["ppid"] == first["ppid"] and second["pid"] != first["pid"]
 
     # exit statuses and a traceback, as a launched job's
