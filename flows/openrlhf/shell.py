@@ -1027,6 +1027,8 @@ class Reader:
             return True
         if head in ("cd", "echo", "printf", "sleep", "mkdir", "true", ":"):
             return True
+        if head == "false":
+            return False
         if head == "unset":
             for name in w[1:]:
                 if not self.maybe:
@@ -1390,7 +1392,7 @@ class Reader:
             v = Unknown(text) if k is None else v[k] if -len(v) <= k < len(v) else ""
         elif index is not None and index not in ("@", "*", "0") and isinstance(v, str):
             v = ""
-        elif isinstance(v, list) and index is None:
+        elif isinstance(v, list) and index is None and name not in ("@", "*"):  # ${A}: the first element
             v = v[0] if v else ""
         if not rest:
             return v if v is not None else Unknown(text) if name not in ("@", "*") else []
@@ -1499,6 +1501,10 @@ def arith_eval(expr: str) -> int | None:
     import ast
     import operator
 
+    cond, rest = _ternary(expr)
+    if rest is not None:  # c ? a : b (the lowest precedence, right to left)
+        c = arith_eval(cond)
+        return None if c is None else arith_eval(rest[0] if c else rest[1])
     py = expr.replace("&&", " and ").replace("||", " or ")
     py = re.sub(r"!(?!=)", " not ", py)
     py = re.sub(r"(?<![<>=!])/(?!/)", "//", py)
@@ -1532,6 +1538,24 @@ def arith_eval(expr: str) -> int | None:
         return int(ev(tree.body))
     except (ValueError, ZeroDivisionError, TypeError):
         return None
+
+
+def _ternary(expr: str) -> tuple[str, tuple[str, str] | None]:
+    """`c ? a : b` split at its first `?` outside parentheses and the `:` that pairs with it."""
+    depth, q = 0, None
+    for k, c in enumerate(expr):
+        depth += (c == "(") - (c == ")")
+        if depth:
+            continue
+        if c == "?" and q is None:
+            q, nested = k, 0
+        elif c == "?":
+            nested += 1
+        elif c == ":" and q is not None:
+            if not nested:
+                return expr[:q], (expr[q + 1:k], expr[k + 1:])
+            nested -= 1
+    return expr, None
 
 
 def test_expr(vals: list[str | None], double: bool) -> bool | None:
