@@ -128,7 +128,7 @@ class Forked:
         if self.returncode is None:
             try:
                 self.returncode = self._message(timeout)["rc"]
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):  # BlockingIOError: poll()'s timeout 0 (a non-blocking socket)
                 raise subprocess.TimeoutExpired(f"forked job {self.pid}", timeout) from None
             self._sock.close()
             self._server.jobs.discard(self.pid)
@@ -203,8 +203,8 @@ def serve(fd: int) -> None:
             print(f"rlhf-flows fork server: not preloaded {name}: {e!r}", file=sys.stderr, flush=True)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
+    old_handler = signal.signal(signal.SIGCHLD, lambda *_: None)
+    old_wakeup = signal.set_wakeup_fd(wake_w)
     running: dict[int, socket.socket] = {}
     try:
         while True:
@@ -225,11 +225,17 @@ def serve(fd: int) -> None:
                 running[pid] = socket.socket(fileno=job_fd)
                 running[pid].sendall(json.dumps({"pid": pid}).encode() + b"\n")
     finally:
-        for pid in running:  # the caller is gone: so are its jobs (a launched job's guard does the same)
+        for pid, sock in running.items():  # the caller is gone: so are its jobs (a launched job's guard does the same)
             try:
                 os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+            sock.close()
+        signal.set_wakeup_fd(old_wakeup)
+        signal.signal(signal.SIGCHLD, old_handler)
+        os.close(wake_r)
+        os.close(wake_w)
+        ctrl.close()
 
 
 def _select(fds: list) -> list:

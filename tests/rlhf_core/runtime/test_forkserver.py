@@ -136,3 +136,46 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+CALLER = """
+import json, os, signal, socket, sys, threading
+from rlhf_core.runtime import forkserver
+client = forkserver.Server.__new__(forkserver.Server)  # the caller's handle, on the socket it was given
+client._ctrl, client._lock, client.jobs = socket.socket(fileno=int(sys.argv[1])), threading.Lock(), set()
+env, cwd = {**os.environ, "PROBE": "in-process"}, sys.argv[2]
+job = client.spawn("fs_probe", ["exit3"], env, cwd)
+seen = {"exit3": job.stdout.readlines(), "exit3_rc": job.wait(30)}
+sleeper = client.spawn("fs_probe", ["sleep"], env, cwd)
+seen["sleep"] = [sleeper.stdout.readline(), sleeper.stdout.readline()]
+seen["poll"] = sleeper.poll()
+client._ctrl.close()  # the caller goes
+seen["sleep_rc"], seen["sleep_pid"] = sleeper.wait(30), sleeper.pid
+print(json.dumps(seen))
+"""
+
+
+def test_the_server_loop_forks_reports_and_ends_its_jobs_when_its_caller_closes(tmp_path, monkeypatch):
+    """The server's loop (`serve`) run in this process for a caller process: a job's pid, output and exit status come
+    back on the job's socket, poll() answers None while a job runs, and when the caller closes the control socket
+    the loop SIGTERMs the job still running, returns, and leaves this process's signal handling as it found it."""
+    cwd = str(probe(tmp_path))
+    monkeypatch.setattr(forkserver, "PRELOAD", ("json", "no_such_module_here"))  # a missing preload is only reported
+    mine, theirs = forkserver.socket.socketpair(forkserver.socket.AF_UNIX, forkserver.socket.SOCK_SEQPACKET)
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, str(mine.fileno()), cwd], pass_fds=[mine.fileno()],
+                              stdout=subprocess.PIPE, text=True)
+    mine.close()
+    old_handler = signal.getsignal(signal.SIGCHLD)
+    try:
+        forkserver.serve(theirs.detach())  # returns when the caller closes its end
+        out, _ = caller.communicate(timeout=60)
+    finally:
+        caller.kill()
+    seen = json.loads(out)
+    first = facts(seen["exit3"])
+    assert seen["exit3_rc"] == 3 and first["argv"] == ["exit3"] and first["probe"] == "in-process" and first["cwd"] == cwd
+    assert first["ppid"] == os.getpid() and first["pgid"] == first["pid"]
+    assert json.loads(seen["sleep"][0])["argv"] == ["sleep"] and seen["sleep"][1].strip() == "sleeping"
+    assert seen["poll"] is None and seen["sleep_rc"] == -signal.SIGTERM
+    assert os.waitpid(seen["sleep_pid"], 0)[1] == signal.SIGTERM  # ended by the loop's SIGTERM; this process reaps it
+    assert signal.getsignal(signal.SIGCHLD) == old_handler and signal.set_wakeup_fd(-1) == -1
