@@ -9,7 +9,8 @@ that travelled (issue 36 item 7).
          fp32 weights, bf16 autocast) at their best on one GPU: gradient checkpointing off, precompute_ref_log_probs
          (DPO, KTO; the precompute counted), packing (SFT, its "bfd" bins of max_length tokens).
 
-Every side runs in its own process, one at a time; its GPU memory is sampled every 0.1 s (nvidia-smi memory.used
+Every side runs in its own process, one at a time (on a CPU run, ours run in this process, one after another:
+there is no GPU memory to keep apart, and each stage's job is then forked from one warm server); its GPU memory is sampled every 0.1 s (nvidia-smi memory.used
 above the idle GPU's: the whole process, context included, the same yardstick for both sides). Per side: seconds of
 work (reference pass + training loop: ours from the stage's metrics, TRL's train() plus its precompute), real
 tokens per second, peak GPU memory; per method: ours / TRL's speed and memory. Random weights at real shapes, the
@@ -213,6 +214,14 @@ def trl_side(job: dict) -> dict:
 def side(job: dict, cuda: bool, python: str = sys.executable, script: Path = HERE) -> dict:
     """`job` run by `script --job` in its own process (GPU memory sampled meanwhile): its RESULT line, wall seconds
     and peak GPU GB, or the error's tail."""
+    if not cuda and python == sys.executable and script == HERE and "stage" in job:  # ours on a CPU run: here
+        t0 = time.time()
+        try:
+            return {**ours(job), "wall_s": round(time.time() - t0, 1), "peak_gpu_gb": None}
+        except Exception:  # noqa: BLE001  (reported as a side's failure is: the error's tail)
+            import traceback
+
+            return {"error": traceback.format_exc()[-2500:], "wall_s": round(time.time() - t0, 1)}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), *filter(None, os.environ.get(
         "PYTHONPATH", "").split(os.pathsep))])}
     if python != sys.executable:  # TRL's own virtualenv (a CPU smoke run): it sees only itself
