@@ -277,6 +277,9 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
+        for sig in signal.valid_signals():  # a fresh interpreter's handlers: a handler the server's process
+            if callable(signal.getsignal(sig)):  # had (set by a library it imported) is not the job's
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         server = os.getppid()
         try:
