@@ -4,17 +4,21 @@ them into configs). Nothing is run.
 Words are bash's: quotes ('...', "...", ANSI-C $'...' with its escapes), backslash escapes and line continuations
 (also at the end of the file), comments, redirections (`2>&1 | tee log`, `> >(tee log)`, `&>> log`) and here
 documents. Expansions as bash does them, quoting respected: $VAR, ${VAR}, ${VAR:-x} / ${VAR-x} / := / :+ / #
-/ % / / / :offset, arrays (`A=(...)`, `A+=(...)`, "${A[@]}", ${A[i]}, ${#A[@]}), positional arguments ($1, $@,
-$#: the arguments given after `import-openrlhf SCRIPT --`), $((...)) arithmetic, and of command substitutions
+/ % / / / :offset:length / ^^ / ,,, arrays (`A=(...)`, `A+=(...)`, "${A[@]}", ${A[i]}, ${#A[@]}), positional
+arguments ($1, $@, $#: the arguments given after `import-openrlhf SCRIPT --`), $((...)) arithmetic (`c ? a : b`,
+0x1F, 017), and of command substitutions
 only what needs nothing to run (`$(echo ...)`, `$(cat <<EOF ...)`, `$(basename X)`, `$(dirname X)`). Assignments
-(`export` / `readonly` / `local` / `declare`, `VAR+=x`), `read -r -d '' VAR <<EOF`, `source FILE ARGS` (FILE
+(`export` / `readonly` / `local` / `declare`, `VAR+=x`, `let`, `printf -v VAR` of %s / %d), `read -r -d '' VAR
+<<EOF`, `source FILE ARGS` (FILE
 from the script's folder), functions (run where they are called), `if` / `case` whose test is decidable from
 the script's values, `exit` in a branch that runs, `bash -c "..."` / `eval` (their text read as a script).
 
 What cannot be known before the script runs stays as written and is named: a variable the script does not set
 (`$MASTER_ADDR`) or sets from a command (`$(nvidia-smi ...)`), a test on files (`[ -f X ]`: the commands of
 every branch are read, the assignments in them are not taken). Loops are read once, each command tagged with
-its loop (`while (( i < N ))`: the iteration count when N is known). A line that starts with `--flag` right
+its loop (`while (( i < N ))`: the iteration count when N is known); after a loop that does not run exactly once,
+what its body set is known only when the script runs. tests/flows/test_shell_vs_bash.py checks all this against
+bash itself. A line that starts with `--flag` right
 after an OpenRLHF command is a missing backslash: bash runs the trainer without those flags and then fails on
 them; `...` in a command is a docs fragment's "more flags here".
 """
@@ -883,6 +887,11 @@ class Reader:
             result = None if v is None else v != 0
         elif head in ("[[", "[", "test"):
             args = words[1:-1] if head in ("[[", "[") else words[1:]
+            if head == "[[" and any(w.text == "=~" for w in args):  # the regex is the rest of the test, ( ) included
+                k = next(i for i, w in enumerate(args) if w.text == "=~") + 1
+                end = next((i for i in range(k, len(args)) if args[i].text in ("&&", "||")), len(args))
+                if end > k:
+                    args = [*args[:k], Word("".join(w.text for w in args[k:end]), args[k].line), *args[end:]]
             vals: list[str | None] = []
             for w in args:
                 if w.text in ("&&", "||", "!", "(", ")", "<", ">", "-a", "-o"):
@@ -923,10 +932,16 @@ class Reader:
                 iterations = None
         loop = Loop(node.line, header, iterations)
         saved, self.loop = self.loop, self.loop or loop
+        before = dict(self.env)
         try:
             self.run(node.body)
         finally:
             self.loop = saved
+        if iterations != 1:  # read once: after the loop, what its body set is the last iteration's (or, with no
+            # iteration, what it was), known only when the script runs
+            for name, value in list(self.env.items()):
+                if before.get(name) is not value and not self.maybe:
+                    self.env[name] = Unknown(name)
 
     def case(self, node: Case) -> None:
         value = (self.expand_word(node.word, split=False) or [""])[0]
@@ -1024,6 +1039,13 @@ class Reader:
         if head == "set" and len(w) > 1 and w[1] == "--":
             if not self.maybe:
                 self.args = w[2:]
+            return True
+        if head == "let" and len(w) > 1:  # let EXPR...: its status is the last one's
+            results = [self.arith(e) for e in w[1:]]
+            return None if None in results else results[-1] != 0
+        if head == "printf" and len(w) > 3 and w[1] == "-v" and re.fullmatch(r"[A-Za-z_]\w*", w[2]):
+            out = printf(w[3], w[4:])
+            self.assign(w[2], Unknown(w[2]) if out is None or any(k in x for x in w for k in self.kept) else out)
             return True
         if head in ("cd", "echo", "printf", "sleep", "mkdir", "true", ":"):
             return True
@@ -1398,8 +1420,14 @@ class Reader:
             return v if v is not None else Unknown(text) if name not in ("@", "*") else []
         if isinstance(v, Unknown):
             return v
+        if rest in ("^^", "^", ",,", ","):  # ${V^^} / ${V,,}: upper / lower case, ${V^} / ${V,}: the first letter
+            if v is None:
+                return Unknown(text)
+            return [change_case(s, rest) for s in v] if isinstance(v, list) else change_case(v, rest)
+        if (sub := re.fullmatch(r":([^:]*)(?::(.*))?", rest)) and not re.match(r":[-=+?]", rest):
+            return self.substring(v, name, sub.group(1), sub.group(2), text)
         op = re.match(r"^(:-|-|:=|=|:\+|\+|:\?|\?|##|#|%%|%|//|/)", rest)
-        if not op:  # ${V:1:2}, ${V^^} ...: not read here
+        if not op:  # ${V@Q}, ${!V}, a case pattern ...: not read here
             return Unknown(text)
         op, arg = op.group(1), rest[op.end():]
         unset, empty = v is None, v is None or v == "" or v == []
@@ -1436,6 +1464,22 @@ class Reader:
                 s = s.replace(find, repl) if op == "//" else s.replace(find, repl, 1)
             out.append(s)
         return out if isinstance(v, list) else out[0]
+
+    def substring(self, v: Any, name: str, offset: str, length: str | None, text: str) -> Any:
+        """${V:offset[:length]}: characters of a value; of ${A[@]} and ${@} (whose element 0 is $0), elements. A
+        negative offset or length counts from the end, as in bash."""
+        off = self.arith(offset)
+        n_ = None if length is None else self.arith(length)
+        if v is None or off is None or (length is not None and n_ is None):
+            return Unknown(text)
+        seq = [self.script, *v] if name in ("@", "*") else v
+        start = off + len(seq) if off < 0 else off
+        if not 0 <= start <= len(seq):
+            return seq[:0]
+        end = len(seq) if n_ is None else min(len(seq), start + n_) if n_ >= 0 else len(seq) + n_
+        if end < start or (n_ is not None and n_ < 0 and isinstance(seq, list)):  # bash: an error
+            return Unknown(text)
+        return seq[start:end]
 
     # ------------------------------------------------------------------ arithmetic
     def arith(self, expr: str) -> int | None:
@@ -1496,10 +1540,19 @@ class Reader:
         return arith_eval(body)
 
 
+def change_case(s: str, op: str) -> str:
+    """${V^^}, ${V^}, ${V,,}, ${V,} of one value."""
+    change = str.upper if op[0] == "^" else str.lower
+    return change(s) if len(op) == 2 else change(s[:1]) + s[1:]
+
+
 def arith_eval(expr: str) -> int | None:
-    """An integer expression (C operators) of numbers only."""
+    """An integer expression (C operators) of numbers only (0x1F hexadecimal and 017 octal, as in bash)."""
     import ast
     import operator
+
+    expr = re.sub(r"\b0[xX]([0-9a-fA-F]+)\b", lambda m: str(int(m.group(1), 16)), expr)
+    expr = re.sub(r"\b0([0-7]+)\b", lambda m: str(int(m.group(1), 8)), expr)
 
     cond, rest = _ternary(expr)
     if rest is not None:  # c ? a : b (the lowest precedence, right to left)
@@ -1538,6 +1591,31 @@ def arith_eval(expr: str) -> int | None:
         return int(ev(tree.body))
     except (ValueError, ZeroDivisionError, TypeError):
         return None
+
+
+def printf(fmt: str, args: list[str]) -> str | None:
+    """printf's output for %s, %d / %i and %% directives and the escapes of $'...', the format used again while
+    arguments are left (as bash does); None for any other directive."""
+    parts = re.split(r"(%%|%.?)", ansi_c(fmt))
+    if any(p.startswith("%") and p not in ("%s", "%d", "%i", "%%") for p in parts):
+        return None
+    out, args, first = [], list(args), True
+    while first or args:
+        first, used = False, 0
+        for p in parts:
+            if p in ("%s", "%d", "%i"):
+                a = args.pop(0) if args else ""
+                used += 1
+                if p != "%s":
+                    if not re.fullmatch(r"\s*[-+]?\d*\s*", a):
+                        return None
+                    a = str(int(a or 0))
+                out.append(a)
+            else:
+                out.append("%" if p == "%%" else p)
+        if not used:
+            break
+    return "".join(out)
 
 
 def _ternary(expr: str) -> tuple[str, tuple[str, str] | None]:
@@ -1587,8 +1665,11 @@ def test_expr(vals: list[str | None], double: bool) -> bool | None:
             return fnmatch.fnmatchcase(a, b) if double else a == b
         if op == "!=":
             return not fnmatch.fnmatchcase(a, b) if double else a != b
-        if op == "=~":
-            return re.search(b, a) is not None
+        if op == "=~":  # bash's extended regular expression, read as Python's (the same for what scripts test)
+            try:
+                return re.search(b, a) is not None
+            except re.error:
+                return None
         if op in ("-eq", "-ne", "-lt", "-le", "-gt", "-ge"):
             try:
                 x, y = int(a), int(b)
