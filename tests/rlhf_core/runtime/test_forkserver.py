@@ -163,14 +163,15 @@ def test_the_server_loop_forks_reports_and_ends_its_jobs_when_its_caller_closes(
     monkeypatch.setattr(forkserver, "PRELOAD", ("json", "no_such_module_here"))  # a missing preload is only reported
     mine, theirs = forkserver.socket.socketpair(forkserver.socket.AF_UNIX, forkserver.socket.SOCK_SEQPACKET)
     caller = subprocess.Popen([sys.executable, "-c", CALLER, str(mine.fileno()), cwd], pass_fds=[mine.fileno()],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mine.close()
     old_handler = signal.getsignal(signal.SIGCHLD)
     try:
         forkserver.serve(theirs.detach())  # returns when the caller closes its end
-        out, _ = caller.communicate(timeout=60)
+        out, err = caller.communicate(timeout=60)
     finally:
         caller.kill()
+    assert caller.returncode == 0, err[-3000:]
     seen = json.loads(out)
     first = facts(seen["exit3"])
     assert seen["exit3_rc"] == 3 and first["argv"] == ["exit3"] and first["probe"] == "in-process" and first["cwd"] == cwd
