@@ -203,48 +203,33 @@ class Lexer:
 
     def paren(self, i: int) -> int:
         """The index of the ) closing the ( at i (quotes and nested parentheses inside)."""
-        s, j, depth = self.s, i, 0
-        while j < len(s):
-            c = s[j]
-            if c == "\\":
-                j += 2
-                continue
-            if c == "'":
-                j = s.find("'", j + 1)
-                if j < 0:
-                    break
-            elif c == '"':
-                j = self.dquote(j)
-            elif c == "(":
-                depth += 1
-            elif c == ")":
-                depth -= 1
-                if depth == 0:
-                    return j
-            j += 1
-        raise self.error("a ( that is never closed", i)
+        return self._closing(i, "(", ")", 0, "a ( that is never closed")
 
     def brace(self, i: int) -> int:
+        """The index of the } closing the { of ${ at i (single quotes count only in a nested brace)."""
+        return self._closing(i, "{", "}", 1, "a ${ that is never closed")
+
+    def _closing(self, i: int, opening: str, closing: str, quotes_below: int, what: str) -> int:
         s, j, depth = self.s, i, 0
         while j < len(s):
             c = s[j]
             if c == "\\":
                 j += 2
                 continue
-            if c == "'" and depth > 1:
+            if c == "'" and depth > quotes_below:
                 j = s.find("'", j + 1)
                 if j < 0:
                     break
             elif c == '"':
                 j = self.dquote(j)
-            elif c == "{":
+            elif c == opening:
                 depth += 1
-            elif c == "}":
+            elif c == closing:
                 depth -= 1
                 if depth == 0:
                     return j
             j += 1
-        raise self.error("a ${ that is never closed", i)
+        raise self.error(what, i)
 
     def array(self) -> list[Word]:
         """The elements of NAME=( ... ) (the lexer is at its `(`), newlines and comments inside."""
