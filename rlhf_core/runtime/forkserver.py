@@ -196,6 +196,11 @@ def serve(fd: int) -> None:
     import importlib
 
     ctrl = socket.socket(fileno=fd)
+    # the jobs start from a fresh interpreter's signal handlers plus what the preloads install, as a launched job
+    # does (a no-op in the server's own process; serve() run in another program's process sets that one's aside)
+    handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals() if callable(signal.getsignal(sig))}
+    for sig in handlers:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -233,6 +238,8 @@ def serve(fd: int) -> None:
             sock.close()
         signal.set_wakeup_fd(old_wakeup)
         signal.signal(signal.SIGCHLD, old_handler)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         os.close(wake_r)
         os.close(wake_w)
         ctrl.close()
@@ -277,9 +284,6 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
-        for sig in signal.valid_signals():  # a fresh interpreter's handlers: a handler the server's process
-            if callable(signal.getsignal(sig)):  # had (set by a library it imported) is not the job's
-                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         server = os.getppid()
         try:

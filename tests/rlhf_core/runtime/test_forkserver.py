@@ -158,7 +158,8 @@ print(json.dumps(seen))
 def test_the_server_loop_forks_reports_and_ends_its_jobs_when_its_caller_closes(tmp_path, monkeypatch):
     """The server's loop (`serve`) run in this process for a caller process: a job's pid, output and exit status come
     back on the job's socket, poll() answers None while a job runs, and when the caller closes the control socket
-    the loop SIGTERMs the job still running, returns, and leaves this process's signal handling as it found it."""
+    the loop SIGTERMs the job still running (which starts from a fresh interpreter's handlers, not this process's),
+    returns, and leaves this process's signal handling as it found it."""
     cwd = str(probe(tmp_path))
     monkeypatch.setattr(forkserver, "PRELOAD", ("json", "no_such_module_here"))  # a missing preload is only reported
     mine, theirs = forkserver.socket.socketpair(forkserver.socket.AF_UNIX, forkserver.socket.SOCK_SEQPACKET)
@@ -166,10 +167,17 @@ def test_the_server_loop_forks_reports_and_ends_its_jobs_when_its_caller_closes(
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mine.close()
     old_handler = signal.getsignal(signal.SIGCHLD)
+
+    def exits_15(*_):  # a handler of this program's own (a pytest-xdist worker has one): not the jobs'
+        raise SystemExit(15)
+
+    previous = signal.signal(signal.SIGTERM, exits_15)
     try:
         forkserver.serve(theirs.detach())  # returns when the caller closes its end
         out, err = caller.communicate(timeout=60)
+        assert signal.getsignal(signal.SIGTERM) is exits_15  # given back
     finally:
+        signal.signal(signal.SIGTERM, previous)
         caller.kill()
     assert caller.returncode == 0, err[-3000:]
     seen = json.loads(out)
