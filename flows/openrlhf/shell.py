@@ -6,12 +6,11 @@ Words are bash's: quotes ('...', "...", ANSI-C $'...' with its escapes), backsla
 documents. Expansions as bash does them, quoting respected: $VAR, ${VAR}, ${VAR:-x} / ${VAR-x} / := / :+ / #
 / % / / / :offset:length / ^^ / ,,, arrays (`A=(...)`, `A+=(...)`, "${A[@]}", ${A[i]}, ${#A[@]}), positional
 arguments ($1, $@, $#: the arguments given after `import-openrlhf SCRIPT --`), $((...)) arithmetic (`c ? a : b`,
-0x1F, 017), and of command substitutions
-only what needs nothing to run (`$(echo ...)`, `$(cat <<EOF ...)`, `$(basename X)`, `$(dirname X)`). Assignments
+0x1F, 017, bit operators), brace expansion ({0..7}, {a,b}), and of command substitutions only what needs nothing
+to run (`$(echo ...)`, `$(cat <<EOF ...)`, `$(basename X)`, `$(dirname X)`, `$(seq ...)`). Assignments
 (`export` / `readonly` / `local` / `declare`, `VAR+=x`, `let`, `printf -v VAR` of %s / %d), `read -r -d '' VAR
-<<EOF`, `source FILE ARGS` (FILE
-from the script's folder), functions (run where they are called), `if` / `case` whose test is decidable from
-the script's values, `exit` in a branch that runs, `bash -c "..."` / `eval` (their text read as a script).
+<<EOF`, `source FILE ARGS` (FILE from the script's folder), functions (run where they are called), `if` / `case`
+whose test is decidable from the script's values, `exit` in a branch that runs, `bash -c "..."` / `eval` (their text read as a script).
 
 What cannot be known before the script runs stays as written and is named: a variable the script does not set
 (`$MASTER_ADDR`) or sets from a command (`$(nvidia-smi ...)`), a test on files (`[ -f X ]`: the commands of
@@ -378,7 +377,10 @@ class Reader:
     def loop_(self, node: LoopNode) -> None:
         header = node.header
         iterations = None
-        if node.kind == "for" and node.head and isinstance(node.head[0], Word) and node.head[0].text.startswith("(("):
+        before = dict(self.env)  # what the loop changes (its variable and body) is set aside after it
+        c_style = node.kind == "for" and node.head and isinstance(node.head[0], Word) and \
+            node.head[0].text.startswith("((")
+        if c_style:
             init, cond, _ = (node.head[0].text[2:-2].split(";") + ["", "", ""])[:3]
             self.arith(init)
             iterations = loop_count(f"(( {cond} ))", self)
@@ -396,13 +398,12 @@ class Reader:
                 iterations = None
         loop = Loop(node.line, header, iterations)
         saved, self.loop = self.loop, self.loop or loop
-        before = dict(self.env)
         try:
             self.run(node.body)
         finally:
             self.loop = saved
-        if iterations != 1:  # read once: after the loop, what its body set is the last iteration's (or, with no
-            # iteration, what it was), known only when the script runs
+        if iterations != 1 or c_style:  # read once: after the loop, what it set is the last iteration's (or, with
+            # no iteration, what it was; a (( ;; )) loop's update is not read), known only when the script runs
             for name, value in list(self.env.items()):
                 if before.get(name) is not value and not self.maybe:
                     self.env[name] = Unknown(name)
@@ -465,7 +466,7 @@ class Reader:
             self.unresolved = []
             return True
         if head == "read":
-            return self.read_builtin(words, node)
+            return self.read_builtin(words, node, env.get("IFS", self.env.get("IFS")))
         fields = self.expand_words(words)
         if not fields:
             return True
@@ -561,8 +562,9 @@ class Reader:
         self.found.append(cmd)
         return None
 
-    def read_builtin(self, words: list[Word], node: Simple) -> bool:
-        """read [-r] [-d ''] VAR... <<EOF / <<< word: the variables get the here-document's text."""
+    def read_builtin(self, words: list[Word], node: Simple, ifs: Any = None) -> bool:
+        """read [-r] [-d ''] VAR... <<EOF / <<< word: the variables get the here-document's text (split on IFS's
+        whitespace; an IFS of other characters: not read here)."""
         opts, names, k = set(), [], 1
         while k < len(words):
             t = words[k].text
@@ -584,7 +586,7 @@ class Reader:
             elif r.value == "<<<" and getattr(r, "target", None) is not None:
                 got = self.expand_word(r.target, split=False)
                 body = (got[0] if got else "") + "\n"
-        if body is None or not names:
+        if body is None or not names or (ifs is not None and (not isinstance(ifs, str) or ifs.strip())):
             for n in names:
                 self.assign(n, Unknown(n))
             return True
@@ -690,10 +692,14 @@ class Reader:
         return out
 
     def expand_word(self, w: Word, split: bool = True) -> list[str]:
-        """The fields of one word (unquoted expansions split on whitespace when `split`)."""
-        f = Fields()
-        self._expand(w.text, f, quoted=False, split=split)
-        return f.done()
+        """The fields of one word (unquoted expansions split on whitespace when `split`; a command's words, a loop's
+        items and an array's elements are brace-expanded first, as bash does, an assignment's value is not)."""
+        out = []
+        for text in (brace_expand(w.text) if split else [w.text]):
+            f = Fields()
+            self._expand(text, f, quoted=False, split=split)
+            out += f.done()
+        return out
 
     def expand_text(self, text: str) -> str:
         """A word inside ${VAR:-word}: expanded, quotes removed, not split."""
@@ -856,6 +862,10 @@ class Reader:
             return base[:-len(w[2])] if len(w) == 3 and base.endswith(w[2]) else base
         if w[0] == "dirname" and len(w) == 2:
             return str(PurePosixPath(w[1]).parent)
+        if w[0] == "seq" and 2 <= len(w) <= 4 and all(re.fullmatch(r"-?\d+", x) for x in w[1:]):  # [FIRST [STEP]] LAST
+            first, step, last = (1, 1, int(w[1])) if len(w) == 2 else (int(w[1]), 1, int(w[2])) if len(w) == 3 else \
+                (int(w[1]), int(w[2]), int(w[3]))
+            return "\n".join(map(str, range(first, last + (1 if step > 0 else -1), step))) if step else Unknown(text)
         return Unknown(text)
 
     def parameter(self, body: str, text: str) -> Any:
@@ -1004,6 +1014,64 @@ class Reader:
         return arith_eval(body)
 
 
+def brace_expand(text: str) -> list[str]:
+    """Bash's brace expansion of one word as written: {a,b}, {1..5}, {05..10}, {a..e}, {1..9..2}, nested, outside
+    quotes and ${...} / $(...); anything else stays one word."""
+    lex, i = Lexer(text), 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+        elif c in "'\"":
+            i = (text.find("'", i + 1) if c == "'" else lex.dquote(i)) + 1 or len(text)
+        elif text.startswith(("${", "$(", "$[", "$'"), i):
+            i = lex.brace(i + 1) + 1 if text[i + 1] == "{" else lex.paren(i + 1) + 1 if text[i + 1] == "(" else i + 2
+        elif c == "{":
+            depth, j, commas = 0, i, []
+            while j < len(text):
+                if text[j] == "\\":
+                    j += 2
+                    continue
+                if text[j] in "'\"":
+                    j = (text.find("'", j + 1) if text[j] == "'" else lex.dquote(j)) + 1 or len(text)
+                    continue
+                if text.startswith("${", j):
+                    j = lex.brace(j + 1) + 1
+                    continue
+                depth += (text[j] == "{") - (text[j] == "}")
+                if depth == 0:
+                    break
+                if text[j] == "," and depth == 1:
+                    commas.append(j)
+                j += 1
+            if j >= len(text):
+                return [text]
+            pre, body, post = text[:i], text[i + 1:j], text[j + 1:]
+            items = [text[a + 1:b] for a, b in zip([i, *commas], [*commas, j])] if commas else _sequence(body)
+            if items is not None:
+                return [w for item in items for w in brace_expand(pre + item + post)]
+            i += 1
+        else:
+            i += 1
+    return [text]
+
+
+def _sequence(body: str) -> list[str] | None:
+    """The items of {A..B[..STEP]}: integers (zero-padded as the wider of A and B when either is) or letters."""
+    m = re.fullmatch(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?|([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?", body)
+    if not m:
+        return None
+    step = abs(int(m.group(3) or m.group(6) or 1)) or 1
+    if m.group(1) is not None:
+        a, b = int(m.group(1)), int(m.group(2))
+        pad = max(len(m.group(1)), len(m.group(2))) if re.match(r"-?0\d", m.group(1) + " " + m.group(2)) or \
+            re.search(r" -?0\d", " " + m.group(2)) else 0
+        return [str(x).zfill(pad) if pad else str(x)
+                for x in range(a, b + (1 if b >= a else -1), step if b >= a else -step)]
+    a, b = ord(m.group(4)), ord(m.group(5))
+    return [chr(x) for x in range(a, b + (1 if b >= a else -1), step if b >= a else -step)]
+
+
 def change_case(s: str, op: str) -> str:
     """${V^^}, ${V^}, ${V,,}, ${V,} of one value."""
     change = str.upper if op[0] == "^" else str.lower
@@ -1030,7 +1098,9 @@ def arith_eval(expr: str) -> int | None:
     except SyntaxError:
         return None
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-           ast.Mod: operator.mod, ast.Pow: operator.pow, ast.Lt: operator.lt, ast.LtE: operator.le,
+           ast.Mod: operator.mod, ast.Pow: operator.pow, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+           ast.BitAnd: operator.and_, ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.Lt: operator.lt,
+           ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 
     def ev(n):

@@ -46,7 +46,10 @@ EXACT = [
     # substrings, case, bases
     'X=abcdef; V="${X:2}"', 'X=abcdef; V="${X:1:3}"', 'X=abcdef; V="${X: -2}"', 'X=abc; V="${X:1:-1}"', 'X=abc; V="${X:5}"',
     'A=(a b c d); V="${A[@]:1:2}"', 'set -- a b c; V="${@:2}"', 'X=AbC; V="${X,,}${X^^}${X^}${X,}"', 'A=(ab cd); V="${A[@]^^}"',
-    'V=$(( 0x10 + 010 + 0x1f ))',
+    'V=$(( 0x10 + 010 + 0x1f ))', 'N=2; V=$(( N << 2 ))$(( 7 & 3 | 8 ))$(( 6 ^ 3 ))',
+    # brace expansion (words, loop items, array elements; not an assignment's value), seq
+    'V=$(echo {01..03} {3..1} {a..e..2} {1..10..3} {-05..5..5})', 'V=$(echo x{a,b{1,2}}y "{a,b}" {a} \'{a,b}\'{c,d})',
+    'X=p; V=$(echo ${X}{a,b})', 'A=({0..2}); V="${#A[@]}"', 'A=(--x={0..1}); V="${A[*]}"', 'V={a,b}', 'V=$(seq 3)$(seq 2 2 6)',
 ]
 # the reader leaves what bash decides when it runs as written (the importer names it): an error, the environment, a
 # printf format it does not read, and after a loop of more than one iteration what its body set (the loop is read
@@ -58,6 +61,10 @@ KEPT = {
     'printf -v V "%5.2f" 3': "$V",
     'for s in 1 2 3; do V=last$s; done': "$V",
     'i=0; while (( i < 3 )); do i=$((i+1)); V=w$i; done': "$V",
+    'for i in {1..3}; do V=x$i; done': "$V", 'for g in {0..7}; do :; done; V=$g': "$g",
+    'for i in $(seq 1 3); do V=x$i; done': "$V", 'for ((i = 0; i < 1; i++)); do :; done; V=$i': "$i",
+    'IFS=, read -r A B <<< "x,y"; V=$B': "$B",  # read's fields split on an IFS of other characters than whitespace
+    'X=Y; Y=ok; V=${!X}': "${!X}",  # an indirect expansion
 }
 
 
