@@ -10,7 +10,8 @@ arguments ($1, $@, $#: the arguments given after `import-openrlhf SCRIPT --`), $
 to run (`$(echo ...)`, `$(cat <<EOF ...)`, `$(basename X)`, `$(dirname X)`, `$(seq ...)`). Assignments
 (`export` / `readonly` / `local` / `declare`, `VAR+=x`, `let`, `printf -v VAR` of %s / %d), `read -r -d '' VAR
 <<EOF`, `source FILE ARGS` (FILE from the script's folder), functions (run where they are called), `if` / `case`
-whose test is decidable from the script's values, `exit` in a branch that runs, `bash -c "..."` / `eval` (their text read as a script).
+whose test is decidable from the script's values, `exit` in a branch that runs, `bash -c "..."` / `eval` (their
+text read as a script).
 
 What cannot be known before the script runs stays as written and is named: a variable the script does not set
 (`$MASTER_ADDR`) or sets from a command (`$(nvidia-smi ...)`), a test on files (`[ -f X ]`: the commands of
