@@ -468,6 +468,23 @@ def kill_training_jobs() -> list[int]:
     return killed
 
 
+@pytest.fixture
+def ranks_abort_at_exit(tmp_path, monkeypatch) -> None:
+    """Every rank that DeepSpeed's launcher starts from this test aborts in its C-level exit (a sitecustomize on
+    PYTHONPATH registers abort() with __cxa_atexit in each process run as `-m ... --local_rank=N`): what a rank does
+    when a gloo thread is still joinable as c10d's objects are freed at exit. A rank that ends through the
+    interpreter's teardown then exits with SIGABRT and its job fails (exit 250 from the launcher); one that leaves
+    with os._exit once its work is written (rlhf_core.runtime.forkserver.leave) does not."""
+    site = tmp_path / "abort-at-exit"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import ctypes, sys\n"
+        "if sys.argv[:1] == ['-m'] and any(a.startswith('--local_rank=') for a in sys.argv):\n"
+        "    libc = ctypes.CDLL(None)\n"
+        "    libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+
+
 def reward_failing_after_a_checkpoint(path: Path, out: Path, armed: Path) -> Path:
     """A ppo reward_func file at `path`: the demo's gold reward, raising "the node went away in step 3" once a checkpoint
     is committed under `out` while the file `armed` exists (a run that dies after its checkpoint, then resumes)."""

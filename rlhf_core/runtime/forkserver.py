@@ -318,16 +318,32 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
                 code = 1
         except BaseException:
             traceback.print_exc()
-        threading._shutdown()  # what the interpreter does at exit: wait for non-daemon threads, then atexit
-        atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
     finally:
+        leave(code)
+
+
+def leave(code: int = 0) -> None:
+    """End this process as the interpreter's exit would, without its teardown: wait for the non-daemon threads, run
+    the atexit functions (weakref finalizers, temporary folders), flush stdout and stderr, then `os._exit(code)`.
+    A forked job must not run the server's teardown; a training rank that is done (its results written, every rank
+    past the last barrier) is spared the freeing of c10d's C++ objects at exit, where a gloo thread still joinable
+    aborts a finished rank ("terminate called without an active exception", exit 250 from DeepSpeed's launcher: seen
+    in a 2-rank AutoTP sft job and a 2-rank reference pass on these CPUs). Never returns."""
+    try:
         try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+            threading._shutdown()
+            atexit._run_exitfuncs()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = code or 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 from rlhf_core.rl import logprobs, losses
 from rlhf_core.train import adamw, checkpoints, compile_engine, deepspeed_options, no_lone_allreduce, ring, schedule
-from rlhf_core.runtime import faults
+from rlhf_core.runtime import faults, forkserver
 from rlhf_core.train import attention
 from rlhf_core.train import memory, moe
 from rlhf_core.train.batches import BatchPlan, Tokens, collate, collate_pairs, seq_len
@@ -587,8 +587,9 @@ def main(spec_ref: str) -> None:
         (Path(spec["work_dir"]) / "result.json").write_text(json.dumps(result))
         print(f"done: {result['steps_done']}/{total} steps, {result['samples_seen']} samples", flush=True)
     dist.barrier()
-    dist.destroy_process_group()  # not left to the interpreter's exit, where gloo's threads can abort the process
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+    forkserver.leave(0)  # done: without the interpreter's teardown, where gloo's threads can abort a finished rank

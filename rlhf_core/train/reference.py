@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_core.runtime import progress
+from rlhf_core.runtime import forkserver, progress
 
 from rlhf_core.train.batches import seq_len
 
@@ -138,9 +138,9 @@ def main(spec_path: str) -> None:
         (Path(spec["work_dir"]) / "result.json").write_text(json.dumps({"logps": merged, "seconds": seconds}))
         print(f"reference pass: {len(merged)} pairs on {world} rank(s) in {seconds:.1f}s", flush=True)
     dist.barrier()
-    dist.destroy_process_group()  # at the interpreter's exit gloo's threads can abort the rank: "terminate called
-    # without an active exception", exit 250 from the launcher (seen once in tests/stages/test_kto.py's 2-rank pass)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+    forkserver.leave(0)  # done: without the interpreter's teardown, where gloo's threads can abort a finished rank

@@ -24,10 +24,11 @@ def pairs_data(root, n, seed=0):
 
 
 @pytest.mark.slow
-def test_kto_raises_the_implied_reward_gap(tiny, tmp_path):
+def test_kto_raises_the_implied_reward_gap(tiny, tmp_path, ranks_abort_at_exit):
     """32 gold-labelled pairs -> 64 KTO rows (32 desirable, 32 undesirable). At step 1 policy == reference:
     every implied reward and the KL estimate are 0. After 8 steps the desirable completions' mean implied
-    reward beta * (log pi - log ref) is above the undesirable ones'."""
+    reward beta * (log pi - log ref) is above the undesirable ones'. Its two jobs (the reference pass and the
+    training, 2 ranks each) succeed though each rank would abort in the interpreter's teardown (ranks_abort_at_exit)."""
     out = tmp_path / "kto"
     m = kto.run(kto.Config(policy_uri=tiny.policy_uri, dataset_uri=pairs_data(tmp_path, 32), output_uri=str(out),
                            max_len=64, learning_rate=2e-3, beta=0.1, train_batch_size=16, micro_train_batch_size=8,
