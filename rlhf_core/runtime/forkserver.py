@@ -334,12 +334,11 @@ def leave(code: int = 0) -> None:
     try:
         try:
             threading._shutdown()
-            atexit._run_exitfuncs()
+            atexit._run_exitfuncs()  # prints a failing function's error and goes on, as the interpreter's exit does
         except BaseException:
             import traceback
 
             traceback.print_exc()
-            code = code or 1
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
