@@ -19,12 +19,15 @@ SIZES = {"tiny": {}, "57m": {"hidden": 768, "layers": 8, "heads": 12, "intermedi
 
 
 class PeakRSS:
-    """Peak resident memory (MB) of a process tree, sampled every 50 ms while the block runs: the process
-    `pid` (default: this one) and all its descendants summed, or with `children_only` its descendants only
-    (our stage's training job, without the benchmark process that runs the stage)."""
+    """Peak memory (MB) of a process tree, sampled every 50 ms while the block runs: the process `pid` (default:
+    this one) and all its descendants, or with `children_only` its descendants only (our stage's training job,
+    without the benchmark process that runs the stage), or with `alone` that process only. Each process counts its
+    proportional set size (PSS: a page that n processes share counts 1/n in each), so a job forked from the warm
+    fork server (rlhf_core/runtime/forkserver.py) and the server do not both count the imports they share; for one
+    process, as TRL's side, PSS is its RSS less its share of pages other processes map too (shared libraries)."""
 
-    def __init__(self, pid: int | None = None, children_only: bool = False):
-        self.pid, self.children_only, self.peak_mb = pid or os.getpid(), children_only, 0.0
+    def __init__(self, pid: int | None = None, children_only: bool = False, alone: bool = False):
+        self.pid, self.children_only, self.alone, self.peak_mb = pid or os.getpid(), children_only, alone, 0.0
 
     def _sample(self):
         import psutil
@@ -32,11 +35,11 @@ class PeakRSS:
         while not self._stop.wait(0.05):
             try:
                 root = psutil.Process(self.pid)
-                procs = [*([] if self.children_only else [root]), *root.children(recursive=True)]
+                procs = [*([] if self.children_only else [root]), *([] if self.alone else root.children(recursive=True))]
                 total = 0
                 for p in procs:
                     try:
-                        total += p.memory_info().rss
+                        total += p.memory_full_info().pss
                     except psutil.Error:
                         pass
                 self.peak_mb = max(self.peak_mb, total / 2 ** 20)
@@ -201,14 +204,16 @@ def compare(a, script: str, root: Path, policy: Path, ours, real: int, extra: di
             sys.exit(f"TRL run {name} failed ({a.trl_python}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
         return {**json.loads(line[len("RESULT "):]), "peak_rss_mb": peak.peak_mb}
 
-    def measured(fn, i, children_only):
-        with PeakRSS(children_only=children_only) as peak:
+    def measured(fn, i, **which):
+        with PeakRSS(**which) as peak:
             r = fn(i)
         return {**r, "peak_rss_mb": peak.peak_mb}
 
-    # peak memory: ours, the training job's process (the stage's process, which here is this benchmark, runs an
-    # inline reference pass before it); bare, this process; TRL, its process.
-    sides = {"ours": lambda i: measured(ours, i, True), **({"bare": lambda i: measured(bare, i, False)} if bare else {}),
+    # peak memory: ours, the training job's processes (the stage's process, which here is this benchmark, runs an
+    # inline reference pass before it; the job and the fork server it was forked from); bare, this process alone (not
+    # the idle fork server that ours left); TRL, its process.
+    sides = {"ours": lambda i: measured(ours, i, children_only=True),
+             **({"bare": lambda i: measured(bare, i, alone=True)} if bare else {}),
              **{n: (lambda i, n=n: trl(n, i)) for n in variants}}
     runs: dict[str, list[dict]] = {n: [] for n in sides}
     for i in range(a.repeats):  # alternate, so drifting machine load hits every side alike
