@@ -149,22 +149,8 @@ def tokenize_pairs(rows: list[dict], tok, max_len: int, overlong: str = "truncat
     return out, cut
 
 
-def shared_prompt(chosen: list[int], c_start: int, rejected: list[int], r_start: int) -> int:
-    """How many leading tokens a pair's two sequences share in its one row (collate_pairs): their common prefix,
-    at most up to the earlier response start (after truncation the two prompts may differ)."""
-    L, top = 0, min(c_start, r_start)
-    while L < top and chosen[L] == rejected[L]:
-        L += 1
-    return L
-
-
 def seq_len(rec: dict) -> int:
-    """The positions a record takes in its row: a pair's prompt counted once, as collate_pairs forwards it (the
-    length the batches are bucketed by; counting the prompt twice put long-prompt pairs beside long-response ones)."""
-    if "ids" in rec:
-        return len(rec["ids"])
-    c, r = rec["chosen_ids"], rec["rejected_ids"]
-    return len(c) + len(r) - shared_prompt(c, rec["chosen_start"], r, rec["rejected_start"])
+    return len(rec["ids"]) if "ids" in rec else len(rec["chosen_ids"]) + len(rec["rejected_ids"])
 
 
 # ---------------------------------------------------------------------------------------------- data order
@@ -358,13 +344,16 @@ def collate_pairs(chosen: list[list[int]], c_starts: list[int], rejected: list[l
     is forwarded once per pair instead of twice (prefix sharing, Wang et al. 2024, arXiv:2410.20305). Each
     response attends to the prompt and to itself only, with the positions it would have alone, so every
     log-prob equals that of the padded two-row layout (the mask: attention.mask_function). Samples 0..k-1 are the chosen, k..2k-1 the rejected
-    (the order of `collate(chosen + rejected, ...)`). The shared part: shared_prompt.
+    (the order of `collate(chosen + rejected, ...)`). The shared part is the common prefix of the two token
+    lists, at most up to the earlier response start (after truncation the two prompts may differ).
     Built as Python lists and turned into tensors once: collation is on every step's critical path."""
     k = len(chosen)
     ids, pos, part, seg, last = [], [], [], [], [[0, 0]] * (2 * k)
     tr, tc, tt, ts = [], [], [], []
     for i, (c, cs, r, rs) in enumerate(zip(chosen, c_starts, rejected, r_starts)):
-        L = shared_prompt(c, cs, r, rs)
+        L = 0
+        while L < min(cs, rs) and c[L] == r[L]:
+            L += 1
         nc, nr = len(c), len(r)
         ids.append(c + r[L:])
         pos.append(list(range(nc)) + list(range(L, nr)))

@@ -72,20 +72,3 @@ def test_a_batch_counts_each_samples_tokens_the_forwarded_ones_and_every_positio
     packed = batches.collate([chosen, rejected, [7, 8]], [10, 10, 1], 0, packed=True, row_len=16)
     assert packed.tokens() == batches.Tokens(30, 30, 2 * 15)  # rows [15] and [13 + 2]: no padding
     assert one_row.tokens() + two_rows.tokens() == batches.Tokens(56, 46, 48)
-
-
-def test_pairs_are_bucketed_by_the_positions_their_row_takes():
-    """A pair's row holds its prompt once (collate_pairs), so its bucketing length does too: two long-prompt pairs and
-    two long-response pairs, whose chosen + rejected lengths are all 40, go into batches of their own kind."""
-    def pair(p, n):
-        prompt = list(range(100, 100 + p))
-        return {"chosen_ids": prompt + [1] * n, "chosen_start": p, "rejected_ids": prompt + [2] * n, "rejected_start": p}
-    recs = [pair(16, 4), pair(4, 16), pair(16, 4), pair(4, 16)]
-    assert [batches.seq_len(r) for r in recs] == [24, 36, 24, 36]  # the prompt once: 16 + 4 + 4, 4 + 16 + 16
-    truncated = {**pair(6, 4), "rejected_ids": list(range(100, 103)) + [9] * 7}  # prompts that differ after 3 tokens
-    assert batches.seq_len(truncated) == 10 + 10 - 3
-    plan = batches.BatchPlan([batches.seq_len(r) for r in recs], 2, 2, 1, seed=0, max_epochs=1)
-    assert sorted(sorted(plan.batch(s)) for s in range(2)) == [[0, 2], [1, 3]]
-    rows = [batches.collate_pairs(*zip(*[(recs[i]["chosen_ids"], recs[i]["chosen_start"], recs[i]["rejected_ids"],
-                                          recs[i]["rejected_start"]) for i in plan.batch(s)]), 0) for s in range(2)]
-    assert sum(b.tokens().positions for b in rows) == sum(b.tokens().forwarded for b in rows) == 120  # no padding
