@@ -38,6 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rlhf_core from this checkout (not installed there)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import emitter  # noqa: E402  (this folder, on the path when run as a script)
 
 QWEN2_0_5B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)

@@ -218,8 +218,13 @@ def _ray_up(ray_address: str | None, object_store_bytes: int = 0) -> bool:
     if ray_address:
         ray.init(address=ray_address, log_to_driver=True)
     else:
+        from rlhf_core.runtime import forkserver
+
+        # its workers forked from a warm process on a host without a GPU (rlhf_core.runtime.forkserver)
+        exe = forkserver.worker_executable({**os.environ, **niceness.omp_env()})
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
                  object_store_memory=max(200 * 1024 ** 2, object_store_bytes), log_to_driver=True,
+                 runtime_env={"py_executable": exe} if exe else None,
                  _system_config={**niceness.system_config(), "prestart_worker_first_driver": False,
                                  "enable_worker_prestart": False})
     return True

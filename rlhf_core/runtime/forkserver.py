@@ -21,6 +21,13 @@ was started with (libgomp, huggingface_hub and DeepSpeed read theirs at import: 
 gets a server of its own, and the idle servers of other environments stop, the variables that differ named in the log;
 `VOLATILE` lists the variables nothing here reads at import). RLHF_FLOWS_FORKSERVER=0
 launches every job as a new process instead.
+
+The Ray actors of a stage that starts its own local Ray are forked the same way (`worker_executable`): Ray starts
+each worker as `<runtime_env py_executable> default_worker.py ARGS`, and with py_executable
+`python -m rlhf_core.runtime.forkexec --server SOCKET` that launcher hands the command, its environment and its
+stdout / stderr to a server listening on SOCKET (`WORKER_PRELOAD` imported: the roles' and engines' modules) and
+mirrors the forked worker's exit; the worker ends when its launcher does. A ppo role's start took ~3 of its 4.5-6
+CPU-seconds on these CPUs importing torch, transformers and DeepSpeed (docs/testing.md).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 log = logging.getLogger("rlhf_flows")
 
@@ -49,6 +57,12 @@ VOLATILE = ("RLHF_FLOWS_FENCE", "PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT")
 # ... and the variables of libraries the server does not import (a stage that starts Ray sets RAY_AUTH_MODE in its
 # process: its later jobs are forked from the same server)
 VOLATILE_PREFIXES = ("RAY_", "VLLM_")
+# imported once by a Ray workers' server: what the stages' actors import before their first call (not ray itself,
+# whose gRPC the worker starts after the fork)
+WORKER_PRELOAD = ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama",
+                  "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "s3fs", "pyarrow.parquet",
+                  "rlhf_core.ppo.roles", "rlhf_core.ppo.engines", "rlhf_core.rollout.generation",
+                  "rlhf_core.rollout.reward_model")
 
 
 def wanted(cmd: list[str], env: dict) -> bool:
@@ -95,6 +109,26 @@ def spawn(cmd: list[str], env: dict, cwd: str | None) -> "Forked":
                 _servers.pop(k).close()
             server = _servers[key] = Server(env)
     return server.spawn(cmd[3], cmd[4:], env, cwd or os.getcwd())
+
+
+_worker_servers: dict[tuple, "Server"] = {}
+
+
+def worker_executable(env: dict) -> str | None:
+    """runtime_env `py_executable` for the Ray workers of a local Ray this process starts with `env` (its workers'
+    environment but for what Ray and the actors' runtime_env add): their processes forked from a warm server for that
+    environment (started here; it stops with this process). None where a job would not be forked (a GPU visible,
+    RLHF_FLOWS_FORKSERVER=0)."""
+    if env.get(SWITCH, os.environ.get(SWITCH, "1")) == "0" or _gpu_visible(env):
+        return None
+    key = _key(env)
+    with _lock:
+        server = _worker_servers.get(key)
+        if server is None or not server.alive():
+            for k in [k for k in _worker_servers if k != key]:  # one environment's workers at a time
+                _worker_servers.pop(k).close()
+            server = _worker_servers[key] = Server(env, listen=True)
+    return f"{sys.executable} -m rlhf_core.runtime.forkexec --server {server.path}"
 
 
 def _changed(a: dict, b: dict) -> list[str]:
@@ -144,14 +178,22 @@ class Forked:
 class Server:
     """The caller's handle on one server process (started with `env`, the preloads imported there)."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, listen: bool = False):
+        """`listen`: a Ray workers' server (WORKER_PRELOAD), its launchers connecting at `self.path`."""
+        import tempfile
+
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._ctrl, self._lock, self.jobs = mine, threading.Lock(), set()  # jobs: pids of its jobs not yet reaped
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.runtime.forkserver", str(theirs.fileno())],
+        self.path = os.path.join(tempfile.mkdtemp(prefix="rlhf-flows-workers-"), "s") if listen else ""
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.runtime.forkserver", str(theirs.fileno()),
+                                      *([self.path] if listen else [])],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                      stdout=2, start_new_session=True)  # its own output (imports' warnings): stderr
         theirs.close()
-        log.info("job fork server %d started (preloading %s)", self.proc.pid, ", ".join(PRELOAD))
+        while listen and not os.path.exists(self.path) and self.proc.poll() is None:  # bound before its imports
+            time.sleep(0.01)
+        log.info("%s fork server %d started (preloading %s)", "Ray workers'" if listen else "job", self.proc.pid,
+                 ", ".join(WORKER_PRELOAD if listen else PRELOAD))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -179,29 +221,40 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.path:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
 @atexit.register
 def _close_all() -> None:
-    for server in list(_servers.values()):
-        server.close()
-    _servers.clear()
+    for servers in (_servers, _worker_servers):
+        for server in list(servers.values()):
+            server.close()
+        servers.clear()
 
 
 # ---- the server process -------------------------------------------------------------------------------------------
 
-def serve(fd: int) -> None:
+def serve(fd: int, listen: str = "") -> None:
     """Import PRELOAD, then fork a job for each request on socket `fd` until it closes; each job's pid, then its
-    exit status, go back on the job's own socket."""
+    exit status, go back on the job's own socket. `listen`: a Ray workers' server (WORKER_PRELOAD) that also forks
+    a worker for each launcher connecting at that path (its request on the connection, then its pid and status)."""
     import importlib
 
     ctrl = socket.socket(fileno=fd)
+    lsock = None
+    if listen:  # listening before the imports: a launcher that connects meanwhile waits in the backlog
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lsock.bind(listen)
+        lsock.listen(64)
     # the jobs start from a fresh interpreter's signal handlers plus what the preloads install, as a launched job
     # does (a no-op in the server's own process; serve() run in another program's process sets that one's aside)
     handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals() if callable(signal.getsignal(sig))}
     for sig in handlers:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    for name in PRELOAD:
+    for name in WORKER_PRELOAD if listen else PRELOAD:
         try:
             importlib.import_module(name)
         except Exception as e:  # an optional dependency missing here: the job imports (and fails on) it itself
@@ -213,22 +266,34 @@ def serve(fd: int) -> None:
     running: dict[int, socket.socket] = {}
     try:
         while True:
-            ready = _select([ctrl, wake_r])
+            ready = _select([ctrl, wake_r, *([lsock] if lsock else [])])
             if wake_r in ready:
                 os.read(wake_r, 4096)
             _reap(running)
+            jobs = []  # (request, its descriptors, the socket its pid and status go back on)
             if ctrl in ready:
                 msg, fds, _, _ = socket.recv_fds(ctrl, 1 << 22, 2)
                 if not msg:  # the caller closed its end or exited
                     break
-                req = json.loads(msg)
-                out_fd, job_fd = fds
+                jobs.append((json.loads(msg), fds[:1], socket.socket(fileno=fds[1])))
+            if lsock is not None and lsock in ready:
+                conn, _ = lsock.accept()
+                msg, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)  # the worker's stdout, stderr and lifeline
+                if msg and len(fds) == 3:
+                    jobs.append((json.loads(msg), fds, conn))
+                else:
+                    for f in fds:
+                        os.close(f)
+                    conn.close()
+            for req, fds, sock in jobs:
+                keep = (ctrl.fileno(), wake_r, wake_w, *([lsock.fileno()] if lsock else []))
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(req, out_fd, closing=(ctrl.fileno(), job_fd, wake_r, wake_w, *(s.fileno() for s in running.values())))
-                os.close(out_fd)
-                running[pid] = socket.socket(fileno=job_fd)
-                running[pid].sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                    _run_child(req, fds, closing=(*keep, sock.fileno(), *(s.fileno() for s in running.values())))
+                for f in fds:
+                    os.close(f)
+                running[pid] = sock
+                sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     finally:
         for pid, sock in running.items():  # the caller is gone: so are its jobs (a launched job's guard does the same)
             try:
@@ -243,6 +308,8 @@ def serve(fd: int) -> None:
         os.close(wake_r)
         os.close(wake_w)
         ctrl.close()
+        if lsock is not None:
+            lsock.close()
 
 
 def _select(fds: list) -> list:
@@ -270,9 +337,10 @@ def _reap(running: dict) -> None:
             sock.close()
 
 
-def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
+def _run_child(req: dict, fds: list[int], closing: tuple) -> None:
     """In the forked child: become the job (session, death signal, output, cwd, environment, argv), run its module as
-    `python -u -m` does and exit with its status. Never returns."""
+    `python -u -m` does (a Ray worker: its script as `python SCRIPT` does) and exit with its status. `fds`: the job's
+    output, or a worker's stdout, stderr and lifeline (the worker ends when its launcher does). Never returns."""
     import ctypes
     import io
     import random
@@ -294,21 +362,33 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
             os._exit(1)
         for fd in closing:
             os.close(fd)
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        os.close(out_fd)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[-2] if len(fds) == 3 else fds[0], 2)
+        for fd in fds[:2]:
+            os.close(fd)
+        if len(fds) == 3:
+            threading.Thread(target=_lifeline, args=(fds[2],), daemon=True).start()
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
-        sys.argv = [req["module"], *req["args"]]
         random.seed()
-        # the server imported the module already (PRELOAD); running it as __main__ is what `python -m` does
-        warnings.filterwarnings("ignore", message=".* found in sys.modules after import of package", category=RuntimeWarning)
         try:
-            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            if "script" in req:  # a Ray worker: `python SCRIPT ARGS` puts the script's folder first
+                if os.environ.get("OMP_NUM_THREADS", "").isdigit() and "torch" in sys.modules:  # Ray sets it per
+                    # worker; OpenMP read the server's at its start (the server ran no parallel region: safe here)
+                    sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+                sys.path[0] = os.path.dirname(req["script"])
+                sys.argv = [req["script"], *req["args"]]
+                runpy.run_path(req["script"], run_name="__main__")
+            else:
+                sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
+                sys.argv = [req["module"], *req["args"]]
+                # the server imported the module already (PRELOAD); running it as __main__ is what `python -m` does
+                warnings.filterwarnings("ignore", message=".* found in sys.modules after import of package",
+                                        category=RuntimeWarning)
+                runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -322,6 +402,17 @@ def _run_child(req: dict, out_fd: int, closing: tuple) -> None:
         traceback.print_exc()
     finally:
         leave(code)
+
+
+def _lifeline(fd: int) -> None:
+    """A forked Ray worker's watch on its launcher: the pipe's end closes when the launcher exits, however it ends
+    (Ray may SIGKILL the process it started), and the worker goes with it."""
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def leave(code: int = 0) -> None:
@@ -346,4 +437,4 @@ def leave(code: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), *sys.argv[2:3])

@@ -188,3 +188,120 @@ def test_the_server_loop_forks_reports_and_ends_its_jobs_when_its_caller_closes(
     assert seen["poll"] is None and seen["sleep_rc"] == -signal.SIGTERM
     assert os.waitpid(seen["sleep_pid"], 0)[1] == signal.SIGTERM  # ended by the loop's SIGTERM; this process reaps it
     assert signal.getsignal(signal.SIGCHLD) == old_handler and signal.set_wakeup_fd(-1) == -1
+
+
+# ---------------------------------------------------------------------------------------------- Ray's workers
+def launch(server_path: str, *args: str, **kw) -> subprocess.Popen:
+    """`python -m rlhf_core.runtime.forkexec --server PATH ARGS`, as Ray starts a worker with its py_executable."""
+    return subprocess.Popen([sys.executable, "-m", "rlhf_core.runtime.forkexec", "--server", server_path, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_the_launcher_runs_its_script_forked_or_on_its_own_and_mirrors_it(tmp_path, monkeypatch):
+    """forkexec: with no server at the path the script runs as `python SCRIPT ARGS` in the launcher's own process;
+    with a workers' server there it is forked from it, in the launcher's environment and cwd, writing to the
+    launcher's stdout and stderr, and the launcher exits with its status, passes SIGTERM on, and when the launcher is
+    SIGKILLed the worker goes too (its lifeline)."""
+    script = str(probe(tmp_path) / "fs_probe.py")
+    alone = launch(str(tmp_path / "none" / "s"), script, "a", "b", cwd=tmp_path)
+    out, err = alone.communicate(timeout=60)
+    assert alone.returncode == 0 and "to stderr" in err, err
+    said = facts(out.splitlines())
+    assert said["argv"] == ["a", "b"] and said["pid"] == alone.pid and not said["torch"]
+
+    monkeypatch.setattr(forkserver, "WORKER_PRELOAD", ("json", "torch"))
+    server = forkserver.Server({**os.environ, "OMP_NUM_THREADS": "2"}, listen=True)
+    try:
+        env = {**os.environ, "PROBE": "launcher's", "OMP_NUM_THREADS": "1"}
+        p = launch(server.path, script, "exit3", cwd=tmp_path, env=env)
+        out, err = p.communicate(timeout=120)
+        said = facts(out.splitlines())
+        assert p.returncode == 3 and said["argv"] == ["exit3"] and said["probe"] == "launcher's", err
+        assert said["ppid"] == server.proc.pid and said["torch"] and said["cwd"] == str(tmp_path)
+        assert said["path0"] == str(tmp_path)  # `python SCRIPT` puts the script's folder first
+
+        p = launch(server.path, script, "sleep", cwd=tmp_path, env=env)
+        worker = facts([p.stdout.readline()])["pid"]
+        assert p.stdout.readline().strip() == "sleeping"
+        p.terminate()
+        assert p.wait(60) == -signal.SIGTERM  # the worker's end, passed on
+        assert _gone_within(worker, 30)
+
+        p = launch(server.path, script, "sleep", cwd=tmp_path, env=env)
+        worker = facts([p.stdout.readline()])["pid"]
+        p.kill()  # nothing to pass on: the worker's lifeline closes
+        p.wait(30)
+        assert _gone_within(worker, 30)
+    finally:
+        server.close()
+    assert not Path(server.path).parent.exists()  # the socket's folder goes with the server
+    monkeypatch.setenv(forkserver.SWITCH, "0")
+    assert forkserver.worker_executable(dict(os.environ)) is None
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while _alive(pid):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+class Where:
+    """A Ray actor that says which process it runs in and what that process had imported before it."""
+
+    def __init__(self):
+        print("a forked worker writes to its launcher's log", flush=True)
+
+    def facts(self) -> dict:
+        import torch
+
+        return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "threads": torch.get_num_threads(),
+                "mine": os.environ.get("FS_PROBE"), "preloaded": "rlhf_core.ppo.roles" in sys.modules}
+
+
+def _launcher_of(argv: list[str]) -> int:
+    """The forkexec process that started the worker whose argv is `argv` (Ray's startup token tells them apart)."""
+    for d in Path("/proc").iterdir():
+        try:
+            line = (d / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        if d.name.isdigit() and b"rlhf_core.runtime.forkexec" in line and [a.decode() for a in line[-len(argv):]] == argv:
+            return int(d.name)
+    raise AssertionError(f"no launcher with {argv[-4:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.own_ray
+def test_a_local_rays_actors_are_forked_from_the_warm_server_and_go_with_their_launcher():
+    """The Ray a stage starts (_ray_up) runs its actors in processes forked from the workers' server: the roles'
+    modules already imported there, the actor's runtime_env in its environment, OpenMP at its OMP_NUM_THREADS, its
+    output in Ray's worker log; its launcher (Ray's child) SIGKILLed, the actor dies; ray.kill ends the launcher."""
+    import ray
+
+    from rlhf_core.rollout import generation
+
+    assert generation._ray_up(None)
+    try:
+        server = next(iter(forkserver._worker_servers.values()))
+        where = ray.remote(Where).options(num_cpus=1, runtime_env={"env_vars": {"FS_PROBE": "mine", "OMP_NUM_THREADS": "1"}})
+        first, second = where.remote(), where.remote()
+        a, b = ray.get([first.facts.remote(), second.facts.remote()], timeout=300)
+        assert a["ppid"] == b["ppid"] == server.proc.pid and a["pid"] != b["pid"]
+        assert a["preloaded"] and a["mine"] == "mine" and a["threads"] == 1
+        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+        said = [f for f in logs.glob("worker-*.out") if "writes to its launcher's log" in f.read_text(errors="replace")]
+        assert len(said) >= 2, sorted(p.name for p in logs.iterdir())
+
+        os.kill(_launcher_of(a["argv"]), signal.SIGKILL)
+        assert _gone_within(a["pid"], 30)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(first.facts.remote(), timeout=120)
+
+        launcher = _launcher_of(b["argv"])
+        ray.kill(second)
+        assert _gone_within(b["pid"], 60) and _gone_within(launcher, 60)
+    finally:
+        ray.shutdown()
