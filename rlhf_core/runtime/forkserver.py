@@ -57,8 +57,9 @@ VOLATILE = ("RLHF_FLOWS_FENCE", "PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT")
 # ... and the variables of libraries the server does not import (a stage that starts Ray sets RAY_AUTH_MODE in its
 # process: its later jobs are forked from the same server)
 VOLATILE_PREFIXES = ("RAY_", "VLLM_")
-# imported once by a Ray workers' server: what the stages' actors import before their first call (not ray itself,
-# whose gRPC the worker starts after the fork)
+# imported once by a Ray workers' server: what the stages' actors import before their first call. Not ray: its C++
+# core reads RAY_* variables when it loads, so a worker forked after it crashes at start ("Check failed:
+# !job_id_env.empty()", the server's environment having no job id)
 WORKER_PRELOAD = ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama",
                   "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "s3fs", "pyarrow.parquet",
                   "rlhf_core.ppo.roles", "rlhf_core.ppo.engines", "rlhf_core.rollout.generation",
