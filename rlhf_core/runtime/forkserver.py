@@ -185,7 +185,9 @@ class Server:
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._ctrl, self._lock, self.jobs = mine, threading.Lock(), set()  # jobs: pids of its jobs not yet reaped
-        self.path = os.path.join(tempfile.mkdtemp(prefix="rlhf-flows-workers-"), "s") if listen else ""
+        base = tempfile.gettempdir()  # an AF_UNIX path holds at most 107 bytes: a long TMPDIR gives way to /tmp
+        base = base if len(base) < 64 or not os.path.isdir("/tmp") else "/tmp"
+        self.path = os.path.join(tempfile.mkdtemp(prefix="rlhf-flows-workers-", dir=base), "s") if listen else ""
         self.proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.runtime.forkserver", str(theirs.fileno()),
                                       *([self.path] if listen else [])],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
@@ -193,6 +195,9 @@ class Server:
         theirs.close()
         while listen and not os.path.exists(self.path) and self.proc.poll() is None:  # bound before its imports
             time.sleep(0.01)
+        if listen and not os.path.exists(self.path):  # its launchers find no server and start their own interpreter
+            log.warning("Ray workers' fork server %d exited before listening at %s: workers start as Ray starts them",
+                        self.proc.pid, self.path)
         log.info("%s fork server %d started (preloading %s)", "Ray workers'" if listen else "job", self.proc.pid,
                  ", ".join(WORKER_PRELOAD if listen else PRELOAD))
 
