@@ -283,14 +283,19 @@ def serve(fd: int, listen: str = "") -> None:
                     break
                 jobs.append((json.loads(msg), fds[:1], socket.socket(fileno=fds[1])))
             if lsock is not None and lsock in ready:
-                conn, _ = lsock.accept()
-                msg, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)  # the worker's stdout, stderr and lifeline
+                conn, fds, msg = None, [], b""
+                try:  # a launcher that went away mid-request costs its worker only, never the server
+                    conn, _ = lsock.accept()
+                    msg, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)  # the worker's stdout, stderr and lifeline
+                except OSError:
+                    pass
                 if msg and len(fds) == 3:
                     jobs.append((json.loads(msg), fds, conn))
                 else:
                     for f in fds:
                         os.close(f)
-                    conn.close()
+                    if conn is not None:
+                        conn.close()
             for req, fds, sock in jobs:
                 keep = (ctrl.fileno(), wake_r, wake_w, *([lsock.fileno()] if lsock else []))
                 pid = os.fork()
@@ -299,7 +304,10 @@ def serve(fd: int, listen: str = "") -> None:
                 for f in fds:
                     os.close(f)
                 running[pid] = sock
-                sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                try:
+                    sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                except OSError:  # its caller is gone: so is the job (the child may not have its own group yet)
+                    os.kill(pid, signal.SIGTERM)
     finally:
         for pid, sock in running.items():  # the caller is gone: so are its jobs (a launched job's guard does the same)
             try:
