@@ -125,10 +125,7 @@ def test_a_forked_job_and_its_server_go_when_the_process_that_ran_it_is_killed(t
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.time() + 30
-    while time.time() < deadline and any(Path(f"/proc/{p}").exists() and _alive(p) for p in (job["pid"], server)):
-        time.sleep(0.1)
-    assert not _alive(job["pid"]) and not _alive(server)
+    assert _gone_within(job["pid"], 30) and _gone_within(server, 30)
 
 
 def _alive(pid: int) -> bool:
